@@ -1,0 +1,28 @@
+# Two commands do all set-up (README): `make demo` runs the embedded default, `make test` passes the tests.
+SHELL := /bin/bash
+PY312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | head -n1)
+VENV ?= .venv
+PYTEST_ARGS ?=
+
+.PHONY: venv oracle demo test clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (set PY312=/path/to/python3.12)"; exit 1; }
+	$(PY312) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[test]"
+	touch $@
+
+oracle:
+	bash tests/oracle/build_venv.sh >/dev/null
+
+demo: venv
+	$(VENV)/bin/dsjax logits --prompt "The capital of France is"
+
+test: venv oracle
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .oracle-venv

@@ -1,0 +1,92 @@
+"""The public Python surface: `dsjax.load(...) -> Model`, `Model.logits(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax import checkpoint, orbax_io
+from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, load_config, preset
+from dsjax.errors import ConfigError, InputError
+from dsjax.model import forward
+from dsjax.params import init_params
+from dsjax.weights import nbytes
+
+_RANDOM_INIT_LIMIT = 4 << 30
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "positions"))
+def _logits(params, token_ids, *, cfg: ModelConfig, positions: tuple[int, ...] | None):
+    return forward(params, cfg, token_ids, positions)
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config + weights on devices. Methods validate inputs at the edge, then call pure code."""
+
+    cfg: ModelConfig
+    params: object
+    source: str = ""
+
+    def check_token_ids(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise InputError(f"token_ids must be a non-empty [batch, seq] array of ints, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"token_ids must be integers, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.cfg.vocab_size)
+        if bad.any():
+            r, c = map(int, np.argwhere(bad)[0])
+            raise InputError(f"token id {int(ids[r, c])} at [{r}, {c}] is out of range [0, {self.cfg.vocab_size})")
+        return ids.astype(np.int32)
+
+    def logits(self, token_ids, positions: Sequence[int] | None = None) -> jax.Array:
+        """float32 [b, s, vocab] logits of a full-sequence forward; only `positions` when given."""
+        ids = self.check_token_ids(token_ids)
+        pos = None
+        if positions is not None:
+            pos = tuple(int(p) for p in positions)
+            if any(p < 0 or p >= ids.shape[1] for p in pos):
+                raise InputError(f"positions must lie in [0, {ids.shape[1]}), got {list(pos)}")
+        return _logits(self.params, jnp.asarray(ids), cfg=self.cfg, positions=pos)
+
+
+def load(path_or_preset: str, *, mesh=None, numerics: str = "reference-bf16", kernels: str = "auto",
+         max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0) -> Model:
+    """Load a checkpoint directory (official or transformers layout, or a dsjax Orbax directory) or a preset.
+
+    A preset has no released weights here: it gets random weights (seeded), fine for tiny presets and tests.
+    """
+    if numerics not in NUMERICS:
+        raise ConfigError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
+    if kernels not in KERNELS:
+        raise ConfigError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
+    if mesh is not None:
+        raise NotImplementedError("meshes arrive with the sharding issue; load on one device for now")
+    path = os.fspath(path_or_preset)
+    if os.path.isdir(path):
+        if orbax_io.is_orbax_dir(path):
+            cfg, params = orbax_io.restore(path)
+            cfg = cfg.with_numerics(numerics).replace(kernels=kernels)
+        else:
+            cfg = load_config(path).with_numerics(numerics).replace(kernels=kernels)
+            params = checkpoint.load_params(path, cfg)
+        return Model(cfg, params, source=path)
+    if path in PRESETS:
+        cfg = preset(path).with_numerics(numerics).replace(kernels=kernels)
+        size = nbytes(cfg)
+        if size > _RANDOM_INIT_LIMIT:
+            raise ConfigError(f"preset {path!r} needs {size / 2**30:.1f} GiB of weights; random init on the host "
+                              f"is limited to {_RANDOM_INIT_LIMIT >> 30} GiB — pass a checkpoint directory")
+        return Model(cfg, init_params(cfg, seed), source=f"preset:{path} (random weights, seed {seed})")
+    if os.path.exists(path):
+        raise ConfigError(f"{path}: expected a checkpoint directory (config.json + *.safetensors) or an Orbax directory")
+    raise ConfigError(f"{path!r} is neither a directory nor a known preset; presets: {', '.join(sorted(PRESETS))}")

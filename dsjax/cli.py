@@ -1,0 +1,114 @@
+"""`dsjax` command line: `logits` (next-token scores of a prompt), `convert` (checkpoint -> Orbax), `info`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_MODEL = "tiny-v4"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint directory (official or transformers layout, or a dsjax Orbax directory) or a "
+                        f"preset name (default: {DEFAULT_MODEL}, a tiny V4-architecture model with random weights)")
+    p.add_argument("--numerics", default="reference-bf16", choices=["transformers", "reference-bf16", "reference-fp8"],
+                   help="numeric preset: what transformers computes (fp32, no fake quant), DeepSeek's reference with "
+                        "bf16 weights (KV FP8 + index FP4 rounding), or the reference with FP8 activations too")
+    p.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights (default 0)")
+
+
+def cmd_logits(args) -> int:
+    import numpy as np
+
+    import dsjax
+    from dsjax.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    model = dsjax.load(args.model, numerics=args.numerics, seed=args.seed)
+    tok = load_tokenizer("v4.1" if model.cfg.family == "v4.1" else "v4")
+    ids = tok.encode(args.prompt)
+    if not ids:
+        print("error: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    if len(ids) > model.cfg.max_position_embeddings:
+        print(f"error: prompt has {len(ids)} tokens, more than the model's {model.cfg.max_position_embeddings}",
+              file=sys.stderr)
+        return 2
+    t1 = time.perf_counter()
+    logits = np.asarray(model.logits([ids], positions=[len(ids) - 1]))[0, 0]
+    t2 = time.perf_counter()
+    top = np.argsort(-logits)[: args.top]
+    logp = logits - np.logaddexp.reduce(logits)
+    if args.json:
+        print(json.dumps({"model": model.source, "prompt_ids": ids,
+                          "top": [{"id": int(i), "text": tok.decode([int(i)]), "logprob": float(logp[i])} for i in top],
+                          "load_s": t1 - t0, "forward_s": t2 - t1}))
+        return 0
+    print(f"model: {model.source} ({model.cfg.name}, numerics {model.cfg.numerics})")
+    if "random weights" in model.source:
+        print("note: random weights — the scores below are noise, not language (a trained default comes later)")
+    print(f"prompt: {len(ids)} tokens; forward (incl. compile) {t2 - t1:.2f} s")
+    for i in top:
+        print(f"  {int(i):>7d}  {logp[i]:8.3f}  {tok.decode([int(i)])!r}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    import dsjax
+    from dsjax import orbax_io
+
+    model = dsjax.load(args.src)
+    orbax_io.save(args.dst, model.params, model.cfg)
+    print(f"wrote {args.dst} ({model.cfg.name})")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import dataclasses
+
+    import dsjax
+    from dsjax.weights import nbytes
+
+    cfg = dsjax.load_config(args.model) if "/" in args.model else dsjax.preset(args.model)
+    out = dataclasses.asdict(cfg)
+    out["weight_bytes"] = nbytes(cfg)
+    out["layer_kinds"] = [cfg.layer_kind(i) for i in range(cfg.n_layers)]
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4-family inference in JAX.")
+    sub = p.add_subparsers(dest="command", required=True)
+    lg = sub.add_parser("logits", help="print the most likely next tokens after a prompt")
+    _add_model_args(lg)
+    lg.add_argument("--prompt", required=True, help="text to score (encoded with the real DeepSeek-V4 tokenizer)")
+    lg.add_argument("--top", type=int, default=10, help="how many candidates to print (default 10)")
+    lg.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    lg.set_defaults(func=cmd_logits)
+    cv = sub.add_parser("convert", help="convert a checkpoint directory into a dsjax Orbax directory")
+    cv.add_argument("src", help="checkpoint directory (official or transformers layout)")
+    cv.add_argument("dst", help="new, empty output directory")
+    cv.set_defaults(func=cmd_convert)
+    inf = sub.add_parser("info", help="print a config (preset name or config.json path) and its weight bytes")
+    inf.add_argument("model", help="preset name or path to a config.json / checkpoint directory")
+    inf.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from dsjax.errors import DsjaxError
+
+    try:
+        return args.func(args)
+    except DsjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

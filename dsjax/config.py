@@ -1,0 +1,416 @@
+"""ModelConfig: every shape and switch of a DeepSeek-V4-family model, frozen and hashable.
+
+The config is static under `jax.jit` (it is hashed into the compile cache), so every shape in the model code
+comes from here: window size, rope dims, head dims, compress ratios. It reads the three spellings seen in the
+wild — the Hub `config.json` (HF names, V4.1 nested `text_config`), DeepSeek's `inference/config.json` (short
+names) and transformers 5.24's `save_pretrained` (`layer_types` + `compress_rates`, `mlp_layer_types`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Literal
+
+from dsjax.errors import ConfigError
+
+Family = Literal["v4", "v4.1"]
+LayerKind = Literal["window", "csa", "hca", "csa2"]
+
+NUMERICS = ("transformers", "reference-bf16", "reference-fp8")
+KERNELS = ("auto", "pallas", "xla", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture + numerics of one model. Field names follow DeepSeek's inference config."""
+
+    name: str = "custom"
+    family: Family = "v4"
+    vocab_size: int = 129280
+    dim: int = 4096
+    n_layers: int = 43
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    # MoE
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    moe_inter_dim: int = 2048
+    n_hash_layers: int = 3
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    gate_temp: float = 1.0
+    # norms / rope
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: int = 32
+    beta_slow: int = 1
+    max_position_embeddings: int = 1048576
+    # attention schedule (len = n_layers + n_mtp_layers)
+    window_size: int = 128
+    compress_ratios: tuple[int, ...] = (0, 0) + (4, 128) * 20 + (4, 0)
+    # indexer
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    # hyper-connections
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # draft heads
+    n_mtp_layers: int = 1
+    # checkpoint formats
+    weight_dtype: Literal["fp8", "bf16"] = "fp8"
+    expert_dtype: Literal["fp4", "fp8", "bf16"] = "fp4"
+    weight_block_size: int = 128
+    # V4.1 (CSA2, Engram, DSpark, vision); unused by V4
+    kv_source_layers: tuple[int, ...] = ()
+    index_source_layers: tuple[int, ...] = ()
+    candidate_source_layer: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_vocab_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 0
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = -1
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0
+    dspark_n_activated_experts: int = 0
+    vision_n_layers: int = 0
+    # special tokens
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 1
+    # numerics: three independent switches + the activation dtype (see `with_numerics`)
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    kv_quant_sim: bool = True
+    index_quant_sim: bool = True
+    act_quant_sim: bool = False
+    # kernel selection for every op (see pallas_kernels/)
+    kernels: str = "auto"
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ derived schedule
+    @property
+    def n_total_layers(self) -> int:
+        return self.n_layers + self.n_mtp_layers
+
+    def layer_ratio(self, layer: int) -> int:
+        return self.compress_ratios[layer]
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """window (SWA only), csa (ratio 4 + indexer), hca (other ratios, all entries), csa2 (V4.1)."""
+        ratio = self.compress_ratios[layer]
+        if ratio == 0:
+            return "window"
+        if self.family == "v4.1":
+            return "csa2"
+        return "csa" if ratio == 4 else "hca"
+
+    def layer_uses_hash_routing(self, layer: int) -> bool:
+        return self.family == "v4" and layer < self.n_hash_layers
+
+    def layer_rope(self, layer: int) -> tuple[float, bool]:
+        """(theta, yarn): compressed layers use compress_rope_theta with YaRN, window-only layers plain rope."""
+        if self.compress_ratios[layer]:
+            return self.compress_rope_theta, True
+        return self.rope_theta, False
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    @property
+    def act_quant_block(self) -> int:
+        return self.weight_block_size
+
+    @property
+    def kv_quant_block(self) -> int:
+        """V4 rounds the 448 non-rope dims in blocks of 64; V4.1 all 512 dims in blocks of 32."""
+        return 64 if self.family == "v4" else 32
+
+    @property
+    def numerics(self) -> str:
+        for name in NUMERICS:
+            if dataclasses.replace(self, **_NUMERIC_FIELDS[name]) == self:
+                return name
+        return "custom"
+
+    def with_numerics(self, numerics: str) -> "ModelConfig":
+        if numerics not in _NUMERIC_FIELDS:
+            raise ConfigError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
+        return dataclasses.replace(self, **_NUMERIC_FIELDS[numerics])
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def need(cond, msg):
+            if not cond:
+                raise ConfigError(f"{self.name}: {msg}")
+
+        need(self.family in ("v4", "v4.1"), f"family must be 'v4' or 'v4.1', got {self.family!r}")
+        for f in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
+                  "o_lora_rank", "n_routed_experts", "n_activated_experts", "moe_inter_dim", "window_size",
+                  "hc_mult", "hc_sinkhorn_iters"):
+            need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f"{f} must be a positive int, got {getattr(self, f)!r}")
+        need(len(self.compress_ratios) == self.n_layers + self.n_mtp_layers,
+             f"compress_ratios has {len(self.compress_ratios)} entries, expected n_layers + n_mtp_layers = "
+             f"{self.n_layers + self.n_mtp_layers}")
+        need(0 < self.rope_head_dim <= self.head_dim and self.rope_head_dim % 2 == 0,
+             f"rope_head_dim {self.rope_head_dim} must be even and ≤ head_dim {self.head_dim}")
+        need(self.n_heads % self.o_groups == 0, f"n_heads {self.n_heads} must be divisible by o_groups {self.o_groups}")
+        need(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts > n_routed_experts")
+        need(self.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {self.n_shared_experts}")
+        need(self.score_func in ("sqrtsoftplus", "softmax", "sigmoid"), f"unknown score_func {self.score_func!r}")
+        need(self.compute_dtype in ("bfloat16", "float32"), f"compute_dtype must be bfloat16 or float32, got {self.compute_dtype!r}")
+        need(self.kernels in KERNELS, f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        need(self.weight_dtype in ("fp8", "bf16"), f"weight_dtype must be fp8 or bf16, got {self.weight_dtype!r}")
+        need(self.expert_dtype in ("fp4", "fp8", "bf16"), f"expert_dtype must be fp4, fp8 or bf16, got {self.expert_dtype!r}")
+        for r in self.compress_ratios:
+            need(isinstance(r, int) and r >= 0, f"compress ratio {r!r} must be a non-negative int")
+        if self.family == "v4":
+            need(all(r == 0 for r in self.compress_ratios[self.n_layers:]), "V4 MTP layers must be window-only (ratio 0)")
+            need(self.index_head_dim >= self.rope_head_dim, "index_head_dim must be ≥ rope_head_dim")
+            need(self.n_hash_layers <= self.n_layers, "n_hash_layers > n_layers")
+            if any(r == 4 for r in self.compress_ratios):
+                need(self.index_topk > 0 and self.index_n_heads > 0, "CSA layers need index_topk and index_n_heads")
+        if self.expert_dtype == "fp4":
+            need(self.dim % 32 == 0 and self.moe_inter_dim % 32 == 0, "FP4 experts need dim and moe_inter_dim divisible by 32")
+
+
+_NUMERIC_FIELDS: dict[str, dict[str, Any]] = {
+    # what transformers computes: fp32 activations, no fake quantisation anywhere
+    "transformers": dict(compute_dtype="float32", kv_quant_sim=False, index_quant_sim=False, act_quant_sim=False),
+    # DeepSeek's reference with bf16 weights: KV FP8 rounding + FP4 index keys, no activation quant
+    "reference-bf16": dict(compute_dtype="bfloat16", kv_quant_sim=True, index_quant_sim=True, act_quant_sim=False),
+    # DeepSeek's reference as released: all fake quantisation on
+    "reference-fp8": dict(compute_dtype="bfloat16", kv_quant_sim=True, index_quant_sim=True, act_quant_sim=True),
+}
+
+
+# ---------------------------------------------------------------------- presets
+def _v4_flash(**kw) -> ModelConfig:
+    return ModelConfig(name="v4-flash", **kw)
+
+
+def _v41_flash(**kw) -> ModelConfig:
+    base = dict(
+        name="v4.1-flash", family="v4.1", dim=5120, n_layers=40, n_heads=64, head_dim=512, rope_head_dim=64,
+        q_lora_rank=1280, o_groups=8, o_lora_rank=1024, n_routed_experts=384, n_activated_experts=6,
+        moe_inter_dim=2304, n_hash_layers=0, norm_eps=1e-20, compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0),
+        index_n_heads=32, index_head_dim=128, index_topk=512, n_mtp_layers=3, weight_block_size=32,
+        kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+        candidate_source_layer=20, candidate_topk_blocks=2048, candidate_block_size=8,
+        engram_layer_ids=(1, 14), engram_num_embeddings=(384006168, 384016682), engram_max_ngram_size=4,
+        engram_vocab_size=16000000, engram_n_heads=8, engram_head_dim=256, engram_pad_id=2,
+        engram_compressed_vocab_size=99092, dspark_block_size=5, dspark_noise_token_id=128799,
+        dspark_target_layer_ids=(37, 38, 39), dspark_markov_rank=256, dspark_n_routed_experts=128,
+        dspark_n_activated_experts=3, vision_n_layers=32, pad_token_id=2,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _tiny_v4(**kw) -> ModelConfig:
+    """A V4-architecture model small enough for CPU tests: every layer kind, hash and top-k routing, MTP."""
+    base = dict(
+        name="tiny-v4", vocab_size=129280, dim=128, n_layers=6, n_heads=4, head_dim=128, rope_head_dim=64,
+        q_lora_rank=128, o_groups=2, o_lora_rank=64, n_routed_experts=8, n_activated_experts=2, moe_inter_dim=128,
+        n_hash_layers=2, window_size=32, compress_ratios=(0, 4, 16, 4, 16, 4, 0), index_n_heads=8,
+        index_head_dim=64, index_topk=8, max_position_embeddings=4096, weight_block_size=128,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+PRESETS = {
+    "v4-flash": _v4_flash,
+    # 0731 keeps the V4 backbone shapes; its DSpark draft namespace is the V4.1-Flash II issue's business.
+    "v4-flash-0731": lambda **kw: _v4_flash(**{"name": "v4-flash-0731", **kw}),
+    "v4.1-flash": _v41_flash,
+    "tiny-v4": _tiny_v4,
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name](**overrides)
+
+
+# ---------------------------------------------------------------------- config.json reading
+# HF name -> inference name (DeepSeek's inference/config.json uses the short names)
+_HF_TO_INFERENCE = {
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "qk_rope_head_dim": "rope_head_dim",
+    "moe_intermediate_size": "moe_inter_dim",
+    "num_experts_per_tok": "n_activated_experts",
+    "num_hash_layers": "n_hash_layers",
+    "scoring_func": "score_func",
+    "routed_scaling_factor": "route_scale",
+    "rms_norm_eps": "norm_eps",
+    "sliding_window": "window_size",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "kv_source_layer_ids": "kv_source_layers",
+    "index_source_layer_ids": "index_source_layers",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "engram_pad_token_id": "engram_pad_id",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+    "n_mtp_layers": "n_mtp_layers",
+}
+_TRANSFORMERS_LAYER_TYPES = {"sliding_attention": "window", "compressed_sparse_attention": "csa",
+                             "heavily_compressed_attention": "hca"}
+_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+def config_from_dict(raw: dict[str, Any], *, name: str = "custom", source: str = "<dict>") -> ModelConfig:
+    """Build a ModelConfig from any of the three config.json spellings; unknown keys are ignored."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object, found {type(raw).__name__}")
+    d = dict(raw)
+    if isinstance(d.get("text_config"), dict):  # V4.1 HF layout nests the language model
+        outer = {k: v for k, v in d.items() if k != "text_config"}
+        d = {**outer, **d["text_config"]}
+        if isinstance(d.get("vision_config"), dict):
+            d.setdefault("vision_n_layers", d["vision_config"].get("num_hidden_layers", 0))
+    model_type = str(d.get("model_type", ""))
+    family: Family = "v4.1" if ("v41" in model_type or "kv_source_layers" in d or "kv_source_layer_ids" in d) else "v4"
+    out: dict[str, Any] = {"name": name, "family": family}
+    if family == "v4.1":
+        out.update(n_hash_layers=0, norm_eps=1e-20, weight_block_size=32, pad_token_id=2)
+    for key, value in d.items():
+        target = _HF_TO_INFERENCE.get(key, key)
+        if target in _FIELDS and target not in ("name", "family"):
+            out[target] = value
+    # rope scaling (HF) -> inference names
+    rs = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if isinstance(rs, dict) and rs:
+        if "factor" in rs:
+            out["rope_factor"] = rs["factor"]
+        if "original_max_position_embeddings" in rs:
+            out["original_seq_len"] = rs["original_max_position_embeddings"]
+        for k in ("beta_fast", "beta_slow"):
+            if k in rs:
+                out[k] = rs[k]
+        if "rope_theta" in rs and "rope_theta" not in d:
+            out["rope_theta"] = rs["rope_theta"]
+    # transformers 5.24 spelling of the schedule
+    if "compress_ratios" not in d and "layer_types" in d:
+        rates = d.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+        try:
+            ratios = [0 if t == "sliding_attention" else int(rates[t]) for t in d["layer_types"]]
+        except KeyError as e:
+            raise ConfigError(f"{source}: unknown layer type {e.args[0]!r} in layer_types") from None
+        n_mtp = int(out.get("n_mtp_layers", 1))
+        out["compress_ratios"] = tuple(ratios) + (0,) * n_mtp
+    if "mlp_layer_types" in d and "num_hash_layers" not in d and "n_hash_layers" not in d:
+        out["n_hash_layers"] = sum(1 for t in d["mlp_layer_types"] if t == "hash_moe")
+    if "n_layers" in out and "compress_ratios" in out:
+        n_mtp = len(out["compress_ratios"]) - int(out["n_layers"])
+        if "n_mtp_layers" not in out or n_mtp != out["n_mtp_layers"]:
+            # official V4 configs list one ratio per MTP layer; pad or trim to what the config declares
+            declared = int(out.get("n_mtp_layers", max(n_mtp, 0)))
+            ratios = list(out["compress_ratios"])[: int(out["n_layers"])]
+            ratios += list(out["compress_ratios"])[int(out["n_layers"]):][:declared]
+            ratios += [0] * (int(out["n_layers"]) + declared - len(ratios))
+            out["compress_ratios"] = tuple(ratios)
+            out["n_mtp_layers"] = declared
+    # quantisation
+    q = d.get("quantization_config") or {}
+    if "dtype" in d and d["dtype"] in ("fp8", "bf16"):
+        out["weight_dtype"] = d["dtype"]
+    elif q:
+        out["weight_dtype"] = "fp8" if q.get("quant_method") == "fp8" else "bf16"
+    elif "torch_dtype" in d or "dtype" in d:
+        out["weight_dtype"] = "bf16"
+    if isinstance(q, dict) and q.get("weight_block_size"):
+        wbs = q["weight_block_size"]
+        if not (isinstance(wbs, list) and len(wbs) == 2 and wbs[0] == wbs[1]):
+            raise ConfigError(f"{source}: weight_block_size must be a square [B, B], found {wbs!r}")
+        out["weight_block_size"] = int(wbs[0])
+    ed = d.get("expert_dtype", q.get("expert_dtype") if isinstance(q, dict) else None)
+    out["expert_dtype"] = ed if ed in ("fp4", "fp8") else ("fp8" if out.get("weight_dtype", "fp8") == "fp8" and ed is None and q else "bf16")
+    if out.get("weight_dtype") == "bf16":
+        out["expert_dtype"] = "bf16"
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if isinstance(out.get(key), list):
+            out[key] = out[key][0]
+    if out.get("pad_token_id") is None:
+        out["pad_token_id"] = out.get("eos_token_id", 1)
+    # coerce types so the config stays hashable and exact
+    for key, value in list(out.items()):
+        f = _FIELDS[key]
+        if isinstance(value, list):
+            out[key] = tuple(value)
+        elif f.type in ("int",) and isinstance(value, float) and value.is_integer():
+            out[key] = int(value)
+        elif f.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = float(value)
+        if value is None and f.type in ("int", "float"):
+            out.pop(key)
+    try:
+        return ModelConfig(**out)
+    except TypeError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_config(path: str | os.PathLike, *, name: str | None = None) -> ModelConfig:
+    """Read `config.json` (or the directory holding it), preferring `inference/config.json` when beside it."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        cfg_path = os.path.join(path, "config.json")
+    else:
+        cfg_path = path
+    if not os.path.exists(cfg_path):
+        raise ConfigError(f"{path}: no config.json found")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path}: malformed JSON ({e})") from None
+    return config_from_dict(raw, name=name or os.path.basename(os.path.dirname(os.path.abspath(cfg_path))), source=cfg_path)
+
+
+def yarn_frequencies(cfg: ModelConfig, layer: int):
+    """Per-pair rotation frequencies ω_k (numpy float32) for the layer, with YaRN on compressed layers."""
+    import numpy as np
+
+    theta, yarn = cfg.layer_rope(layer)
+    dim = cfg.rope_head_dim
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    if yarn and cfg.original_seq_len > 0:
+        def corr(rot):
+            return dim * math.log(cfg.original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(corr(cfg.beta_fast)), 0)
+        high = min(math.ceil(corr(cfg.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
+    return freqs.astype(np.float32)

@@ -1,0 +1,17 @@
+"""Errors users can act on: each names the offending thing and what would be right."""
+
+
+class DsjaxError(Exception):
+    """Base class for every error dsjax raises on bad input."""
+
+
+class ConfigError(DsjaxError, ValueError):
+    """A config.json, preset name or config field is unknown or inconsistent."""
+
+
+class CheckpointError(DsjaxError, ValueError):
+    """A checkpoint tensor is missing, unexpected, misshapen or of the wrong dtype."""
+
+
+class InputError(DsjaxError, ValueError):
+    """Token ids, positions or generation arguments are out of range."""

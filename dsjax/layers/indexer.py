@@ -1,0 +1,49 @@
+"""The lightning indexer (V4 CSA layers): scores compressed entries per query and keeps the top-k.
+
+score[t] = Σ_h relu(q_h · K[t]) · w_h, with q from the attention's q latent (rope, Hadamard, FP4) and K the
+index-key cache built by the indexer's own ratio-4 compressor. Each intermediate is rounded to the compute
+dtype where the reference rounds it (bf16 einsum, bf16 weights, bf16 head sum), so selections — and their
+ties, broken toward the lower index as `lax.top_k` does — follow the reference.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from dsjax import quant
+from dsjax.config import ModelConfig
+from dsjax.layers.linear import einsum_acc32, linear, matmul
+from dsjax.layers.rope import apply_rope
+from dsjax.weights import Indexer
+from dsjax.numerics import round_to
+
+
+def index_queries(qr, w: Indexer, cfg: ModelConfig, angles):
+    """qr [b,s,q_lora] -> fake-quantised index queries [b,s,nh,dh]."""
+    b, s, _ = qr.shape
+    q = linear(qr, w.wq_b, cfg).reshape(b, s, cfg.index_n_heads, cfg.index_head_dim)
+    q = apply_rope(q, angles[:, :, None, :])
+    if cfg.index_quant_sim:
+        q = quant.fp4_e2m1_sim(quant.hadamard(q), 32)
+    return q
+
+
+def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig):
+    """x [b,s,D], q [b,s,nh,dh], keys [b,T,dh] -> scores [b,s,T] in the compute dtype."""
+    dt = x.dtype
+    scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+    weights = round_to(matmul(x, w.weights_proj.astype(dt), dt).astype(jnp.float32) * scale, dt)
+    s = round_to(einsum_acc32("bshd,btd->bsht", q, keys), dt)
+    s = round_to(jnp.maximum(s, 0).astype(jnp.float32) * weights[..., None].astype(jnp.float32), dt)
+    return round_to(jnp.sum(s.astype(jnp.float32), axis=2), dt)
+
+
+def select_topk(scores, visible, k: int):
+    """Top-k visible entries per query as a boolean mask [b,s,T] (ties to the lower index)."""
+    T = scores.shape[-1]
+    k = min(k, T)
+    if k == 0:
+        return jnp.zeros(scores.shape, bool)
+    masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    _, idx = jax.lax.top_k(masked, k)
+    chosen = jnp.put_along_axis(jnp.zeros(scores.shape, bool), idx, True, axis=-1, inplace=False)
+    return chosen & visible

@@ -1,0 +1,76 @@
+"""Mixture of experts: √softplus scores, top-k (bias steers selection only) or hash routing, SwiGLU experts.
+
+Routing weights are the unbiased scores of the chosen experts, normalised and scaled by `route_scale`, and
+applied before the down projection as the reference does. Both gate and up are clamped (`swiglu_limit`) in
+routed and shared experts (the current official revision).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ModelConfig
+from dsjax.layers.linear import dequantize, einsum_acc32, linear
+from dsjax import quant
+from dsjax.weights import MoE
+from dsjax.numerics import round_to
+
+
+def route(x, token_ids, w: MoE, cfg: ModelConfig):
+    """x [n,D] -> (weights fp32 [n,k], expert ids int32 [n,k])."""
+    logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), w.gate.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) / cfg.gate_temp
+    if cfg.score_func == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    elif cfg.score_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+    if w.tid2eid is not None:
+        ids = w.tid2eid[token_ids].astype(jnp.int32)
+    else:
+        _, ids = jax.lax.top_k(scores + w.gate_bias, cfg.n_activated_experts)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.score_func != "softmax":
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights * cfg.route_scale, ids
+
+
+def swiglu(gate, up, limit: float):
+    """silu(min(gate, limit)) · clip(up, ±limit) in fp32."""
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    return jax.nn.silu(gate) * up
+
+
+def shared_expert(x, w: MoE, cfg: ModelConfig):
+    g = linear(x, w.shared_w1, cfg).astype(jnp.float32)
+    u = linear(x, w.shared_w3, cfg).astype(jnp.float32)
+    return linear(round_to(swiglu(g, u, cfg.swiglu_limit), x.dtype), w.shared_w2, cfg)
+
+
+def routed_experts_dense(x, weights, ids, w: MoE, cfg: ModelConfig):
+    """Every expert on every token, masked by the routing weights (reference path: simple, exact, O(E))."""
+    dt = x.dtype
+    E = cfg.n_routed_experts
+    combine = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32) * weights[..., None], axis=1)  # [n,E]
+    xq = quant.fp8_e4m3_sim(x, cfg.act_quant_block) if cfg.act_quant_sim else x
+    w1, w3, w2 = (dequantize(m, dt) for m in (w.w1, w.w3, w.w2))
+    g = round_to(einsum_acc32("nd,eid->nei", xq, w1), dt).astype(jnp.float32)
+    u = round_to(einsum_acc32("nd,eid->nei", xq, w3), dt).astype(jnp.float32)
+    h = round_to(swiglu(g, u, cfg.swiglu_limit) * combine[..., None], dt)
+    if cfg.act_quant_sim:
+        h = quant.fp8_e4m3_sim(h, cfg.act_quant_block)
+    y = round_to(einsum_acc32("nei,edi->ned", h, w2), dt)
+    return jnp.sum(y.astype(jnp.float32), axis=1)
+
+
+def moe(x, token_ids, w: MoE, cfg: ModelConfig):
+    """x [b,s,D], token_ids [b,s] -> [b,s,D]: routed experts (fp32 sum) + shared expert, in x's dtype."""
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1])
+    weights, ids = route(xf, token_ids.reshape(-1), w, cfg)
+    y = routed_experts_dense(xf, weights, ids, w, cfg)
+    y = y + shared_expert(xf, w, cfg).astype(jnp.float32)
+    return round_to(y, x.dtype).reshape(shape)
+

@@ -1,0 +1,1 @@
+"""dsjax.serving: gRPC + HTTP front ends, scheduler, host KV store and Redis ownership (installed as dsjax.serving)."""
