@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from dsjax.numerics import div_exact as _div_exact, round_to
 
 __all__ = [
     "FP8_MAX", "FP4_MAX", "FP4_CODE_TABLE",
@@ -115,18 +116,6 @@ def _ceil_log2_bits(v, xp):
     exp = ((bits >> 23) & 0xFF).astype(np.int32)
     man = bits & np.uint32(0x7FFFFF)
     return exp - 127 + (man != 0).astype(np.int32)
-
-
-def _div_exact(a, b):
-    """IEEE ``a / b`` (b broadcast to a's shape) under XLA.
-
-    Why: XLA's algebraic simplifier rewrites ``A / broadcast(B)`` and ``A / constant`` into
-    ``A * (1/B)``, which is not the correctly rounded quotient unless B is a power of two (seen on
-    the CPU backend: it moves e2m1 ties such as 18.75 / 7.5 = 2.5).  An optimization barrier on the
-    broadcast divisor hides it from that rewrite.  Only needed for non-power-of-two divisors.
-    """
-    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape))
-    return a / b
 
 
 def _pow2_bits(e, xp):
@@ -266,7 +255,7 @@ def hadamard(x):
         y = jnp.stack([a + b, a - b], axis=2)
         h *= 2
     y = y.reshape(x.shape) * np.float32(n ** -0.5)
-    return y.astype(x.dtype)
+    return round_to(y, x.dtype)
 
 
 # ----------------------------------------------------------------------------- E8M0 scales

@@ -16,7 +16,7 @@ from dsjax.layers.linear import einsum_acc32, linear
 from dsjax.layers.norms import rms_norm, weightless_head_norm
 from dsjax.layers.rope import apply_rope, rope_angles
 from dsjax.weights import Attention
-from dsjax.numerics import round_to
+from dsjax.numerics import div_exact, round_to
 
 
 def project_q(x, w: Attention, cfg: ModelConfig, angles):
@@ -53,7 +53,7 @@ def sink_attention(q, kv, mask, sink, scale: float):
     p = jnp.where(m4, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink[None, :, None, None] - row_max)
     o = einsum_acc32("bhst,btd->bshd", round_to(p, dt), kv)
-    return round_to(o / jnp.moveaxis(denom, 1, 2), dt)
+    return round_to(div_exact(o, jnp.moveaxis(denom, 1, 2)), dt)
 
 
 def window_mask(s: int, window: int):

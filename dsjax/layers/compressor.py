@@ -13,7 +13,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_angles
 from dsjax.weights import Compressor
-from dsjax.numerics import round_to
+from dsjax.numerics import materialize, round_to, softmax_exact
 
 
 def pool_groups(kv, score, ratio: int, overlap: bool):
@@ -26,7 +26,7 @@ def pool_groups(kv, score, ratio: int, overlap: bool):
         prev_sc = jnp.concatenate([pad_sc, score[:, :-1, :, :d]], axis=1)
         kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)
         score = jnp.concatenate([prev_sc, score[..., d:]], axis=2)
-    return jnp.sum(kv * jax.nn.softmax(score, axis=2), axis=2)
+    return jnp.sum(materialize(kv * softmax_exact(score, axis=2)), axis=2)
 
 
 def finish_entries(pooled, entry_positions, w: Compressor, cfg: ModelConfig, layer: int, *, index_keys: bool, dtype):

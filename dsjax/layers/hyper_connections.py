@@ -8,13 +8,13 @@ import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
 from dsjax.weights import HcHead, HyperMix
-from dsjax.numerics import round_to
+from dsjax.numerics import div_exact, materialize, mean_exact, round_to, sigmoid, sum_in_order
 
 
 def _mixes(h, fn, eps):
     """h [b,s,n,D] -> (flat fp32 h, fn(h)·rsqrt(mean(h²)+eps)) — one statistic per token over all n·D."""
     x = h.reshape(h.shape[:-2] + (-1,)).astype(jnp.float32)
-    rsqrt = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    rsqrt = jax.lax.rsqrt(mean_exact(x * x, axis=-1) + eps)
     m = jnp.einsum("...k,rk->...r", x, fn, precision=jax.lax.Precision.HIGHEST) * rsqrt
     return x, m
 
@@ -22,16 +22,16 @@ def _mixes(h, fn, eps):
 def sinkhorn_split(m, mix: HyperMix, cfg: ModelConfig):
     """Mixes [.., (2+n)n] -> pre [.., n], post [.., n], comb [.., n(j), n(k)] (rows j = old stream)."""
     n, eps = cfg.hc_mult, cfg.hc_eps
-    pre = jax.nn.sigmoid(m[..., :n] * mix.scale[0] + mix.base[:n]) + eps
-    post = 2 * jax.nn.sigmoid(m[..., n:2 * n] * mix.scale[1] + mix.base[n:2 * n])
+    pre = sigmoid(m[..., :n] * mix.scale[0] + mix.base[:n]) + eps
+    post = 2 * sigmoid(m[..., n:2 * n] * mix.scale[1] + mix.base[n:2 * n])
     c = (m[..., 2 * n:] * mix.scale[2] + mix.base[2 * n:]).reshape(m.shape[:-1] + (n, n))
     c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
-    c = c / jnp.sum(c, axis=-1, keepdims=True) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    c = div_exact(c, jnp.sum(c, axis=-1, keepdims=True)) + eps
+    c = div_exact(c, jnp.sum(c, axis=-2, keepdims=True) + eps)
 
     def step(c, _):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+        c = div_exact(c, jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = div_exact(c, jnp.sum(c, axis=-2, keepdims=True) + eps)
         return c, None
 
     c, _ = jax.lax.scan(step, c, None, length=cfg.hc_sinkhorn_iters - 1)
@@ -42,20 +42,19 @@ def hc_pre(h, mix: HyperMix, cfg: ModelConfig):
     """Collapse the n streams into one sub-layer input. Returns (x [b,s,D], post, comb)."""
     x, m = _mixes(h, mix.fn, cfg.norm_eps)
     pre, post, comb = sinkhorn_split(m, mix, cfg)
-    y = jnp.sum(pre[..., None] * x.reshape(h.shape), axis=-2)
+    y = sum_in_order(materialize(pre[..., None] * x.reshape(h.shape)), axis=-2)
     return round_to(y, h.dtype), post, comb
 
 
 def hc_post(o, residual, post, comb):
     """New stream k = post_k·o + Σ_j comb[j,k]·residual_j, in fp32, cast to o's dtype."""
-    mixed = jnp.einsum("...jk,...jd->...kd", comb, residual.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST)
-    y = post[..., None] * o.astype(jnp.float32)[..., None, :] + mixed
+    mixed = sum_in_order(materialize(comb[..., None] * residual.astype(jnp.float32)[..., :, None, :]), axis=-3)
+    y = materialize(post[..., None] * o.astype(jnp.float32)[..., None, :]) + mixed
     return round_to(y, o.dtype)
 
 
 def hc_head(h, head: HcHead, cfg: ModelConfig):
     """Final collapse of the streams: Σ_i (sigmoid(m_i·scale + base_i) + eps)·h_i."""
     x, m = _mixes(h, head.fn, cfg.norm_eps)
-    pre = jax.nn.sigmoid(m * head.scale + head.base) + cfg.hc_eps
-    return round_to(jnp.sum(pre[..., None] * x.reshape(h.shape), axis=-2), h.dtype)
+    pre = sigmoid(m * head.scale + head.base) + cfg.hc_eps
+    return round_to(sum_in_order(materialize(pre[..., None] * x.reshape(h.shape)), axis=-2), h.dtype)

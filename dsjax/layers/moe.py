@@ -12,26 +12,28 @@ from dsjax.config import ModelConfig
 from dsjax.layers.linear import dequantize, einsum_acc32, linear
 from dsjax import quant
 from dsjax.weights import MoE
-from dsjax.numerics import round_to
+from dsjax.numerics import div_exact, round_to, sigmoid, silu, softmax_exact, softplus
 
 
 def route(x, token_ids, w: MoE, cfg: ModelConfig):
     """x [n,D] -> (weights fp32 [n,k], expert ids int32 [n,k])."""
     logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), w.gate.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST) / cfg.gate_temp
+                        precision=jax.lax.Precision.HIGHEST)
+    if cfg.gate_temp != 1.0:
+        logits = div_exact(logits, cfg.gate_temp)
     if cfg.score_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
+        scores = softmax_exact(logits, axis=-1)
     elif cfg.score_func == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
+        scores = sigmoid(logits)
     else:
-        scores = jnp.sqrt(jax.nn.softplus(logits))
+        scores = jnp.sqrt(softplus(logits))
     if w.tid2eid is not None:
         ids = w.tid2eid[token_ids].astype(jnp.int32)
     else:
         _, ids = jax.lax.top_k(scores + w.gate_bias, cfg.n_activated_experts)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.score_func != "softmax":
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = div_exact(weights, jnp.sum(weights, axis=-1, keepdims=True))
     return weights * cfg.route_scale, ids
 
 
@@ -40,7 +42,7 @@ def swiglu(gate, up, limit: float):
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
-    return jax.nn.silu(gate) * up
+    return silu(gate) * up
 
 
 def shared_expert(x, w: MoE, cfg: ModelConfig):

@@ -2,14 +2,14 @@
 
 import jax
 import jax.numpy as jnp
-from dsjax.numerics import round_to
+from dsjax.numerics import mean_exact, round_to
 
 
 def rms_norm(x, weight, eps: float):
     """x * rsqrt(mean(x²) + eps) * weight over the last dim; `weight` may be bf16 (upcast is exact)."""
     dtype = x.dtype
     xf = x.astype(jnp.float32)
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    var = mean_exact(xf * xf, axis=-1)
     return round_to(weight.astype(jnp.float32) * (xf * jax.lax.rsqrt(var + eps)), dtype)
 
 
@@ -22,6 +22,6 @@ def weightless_head_norm(q, eps: float):
     dt = q.dtype
     qf = q.astype(jnp.float32)
     sq = round_to(qf * qf, dt).astype(jnp.float32)
-    mean = round_to(jnp.sum(sq, axis=-1, keepdims=True) / q.shape[-1], dt).astype(jnp.float32)
+    mean = round_to(mean_exact(sq, axis=-1), dt).astype(jnp.float32)
     r = round_to(jax.lax.rsqrt(round_to(mean + eps, dt).astype(jnp.float32)), dt).astype(jnp.float32)
     return round_to(qf * r, dt)

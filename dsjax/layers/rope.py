@@ -4,6 +4,7 @@ Pairs (2k, 2k+1) of the rope dims are complex numbers multiplied by e^{i·pos·�
 (output de-rotation) uses the conjugate. Angles are float32(pos) · ω_k in float32, as torch.outer does.
 """
 
+import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig, yarn_frequencies
@@ -28,6 +29,8 @@ def apply_rope(x, angles, *, inverse: bool = False):
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if inverse:
         sin = -sin
-    out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(tail.shape)
+    # products materialised before the sums: the reference's complex multiply has no fused multiply-add
+    rc, is_, rs, ic = jax.lax.optimization_barrier((re * cos, im * sin, re * sin, im * cos))
+    out = jnp.stack([rc - is_, rs + ic], axis=-1).reshape(tail.shape)
     return jnp.concatenate([head, round_to(out, x.dtype)], axis=-1)
 
