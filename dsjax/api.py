@@ -77,7 +77,7 @@ def load(path_or_preset: str, *, mesh=None, numerics: str = "reference-bf16", ke
             cfg, params = orbax_io.restore(path)
             cfg = cfg.with_numerics(numerics).replace(kernels=kernels)
         else:
-            cfg = load_config(path).with_numerics(numerics).replace(kernels=kernels)
+            cfg = checkpoint.checkpoint_config(path).with_numerics(numerics).replace(kernels=kernels)
             params = checkpoint.load_params(path, cfg)
         return Model(cfg, params, source=path)
     if path in PRESETS:

@@ -157,9 +157,17 @@ def detect_layout(path: str) -> str:
     return "official"
 
 
+def checkpoint_config(path: str, cfg: ModelConfig | None = None) -> ModelConfig:
+    """The config a checkpoint directory holds weights for: transformers' layout carries no MTP head."""
+    cfg = cfg or load_config(path)
+    if detect_layout(path) == "transformers" and cfg.n_mtp_layers:
+        cfg = cfg.replace(n_mtp_layers=0, compress_ratios=cfg.compress_ratios[: cfg.n_layers])
+    return cfg
+
+
 def load_params(path: str, cfg: ModelConfig | None = None, **kw):
     """Read a checkpoint directory (official or transformers layout) into the weight tree of `cfg`."""
-    cfg = cfg or load_config(path)
+    cfg = checkpoint_config(path, cfg)
     files = safetensors_io.open_dir(path)
     if detect_layout(path) == "transformers":
         files = _official_view_of_transformers(files, cfg)
@@ -192,3 +200,106 @@ def _official_view_of_transformers(files: dict, cfg: ModelConfig) -> dict:
             tags[off_name] = sf.dtype_name(name) if arr.dtype == sf.get(name).dtype else safetensors_io._NAMES.get(np.dtype(arr.dtype), "F32")
     view = _ArrayFile(arrays, tags, next(iter(files.values())).path)
     return {n: view for n in arrays}
+
+
+# ---------------------------------------------------------------------- writing
+def hf_config_dict(cfg: ModelConfig, *, quantized: bool) -> dict:
+    """A Hub-style V4 config.json for `cfg` (the released key set), optionally with its FP8 quantization_config."""
+    d = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": 1, "head_dim": cfg.head_dim, "qk_rope_head_dim": cfg.rope_head_dim,
+        "q_lora_rank": cfg.q_lora_rank, "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.n_activated_experts, "moe_intermediate_size": cfg.moe_inter_dim,
+        "num_hash_layers": cfg.n_hash_layers, "scoring_func": cfg.score_func, "norm_topk_prob": True,
+        "topk_method": "noaux_tc", "routed_scaling_factor": cfg.route_scale, "swiglu_limit": cfg.swiglu_limit,
+        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "compress_rope_theta": cfg.compress_rope_theta,
+        "rope_scaling": {"type": "yarn", "factor": cfg.rope_factor, "original_max_position_embeddings": cfg.original_seq_len,
+                         "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow},
+        "max_position_embeddings": cfg.max_position_embeddings, "sliding_window": cfg.window_size,
+        "compress_ratios": list(cfg.compress_ratios), "index_n_heads": cfg.index_n_heads,
+        "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk, "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps, "num_nextn_predict_layers": cfg.n_mtp_layers,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    if quantized:
+        d["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                    "scale_fmt": "ue8m0", "weight_block_size": [cfg.weight_block_size] * 2}
+        d["expert_dtype"] = cfg.expert_dtype
+    return d
+
+
+def official_tensors(params, cfg: ModelConfig, *, quantize: bool):
+    """Yield (name, numpy array, safetensors dtype tag) for every official tensor of the weight tree."""
+    from dsjax.layers.linear import dequantize
+
+    def host(x):
+        return np.asarray(jax.device_get(x))
+
+    def linear_items(prefix: str, lin: Linear):
+        if quantize and lin.fmt in ("fp8", "fp4"):
+            w, s = host(lin.weight), host(lin.scale)
+            yield prefix + ".weight", w.view(np.int8) if lin.fmt == "fp4" else w, "I8" if lin.fmt == "fp4" else "F8_E4M3"
+            yield prefix + ".scale", s, "F8_E8M0"
+        elif quantize and lin.fmt == "bf16" and cfg.weight_dtype == "fp8":
+            q, s = quant.quantize_fp8_blocks(host(lin.weight).astype(np.float32), cfg.weight_block_size)
+            yield prefix + ".weight", q, "F8_E4M3"
+            yield prefix + ".scale", s, "F8_E8M0"
+        else:
+            yield prefix + ".weight", host(dequantize(lin, jnp.bfloat16)), "BF16"
+
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, Linear))[0]
+    for path, leaf in leaves:
+        if leaf is None:
+            continue
+        if isinstance(leaf, Linear):
+            name = official_name(path + (jax.tree_util.GetAttrKey("weight"),))[: -len(".weight")]
+            stacked = "{e}" in name
+            items = list(linear_items(name, leaf))
+            for n, a, tag in items:
+                if stacked:
+                    for e in range(a.shape[0]):
+                        yield n.replace("{e}", str(e)), a[e], tag
+                else:
+                    yield n, a, tag
+            continue
+        name = official_name(path)
+        a = host(leaf)
+        if name.endswith("attn.wo_a.weight") and quantize and cfg.weight_dtype == "fp8":
+            q, s = quant.quantize_fp8_blocks(a.astype(np.float32), cfg.weight_block_size)
+            yield name, q, "F8_E4M3"
+            yield name[: -len("weight")] + "scale", s, "F8_E8M0"
+        elif a.dtype == np.int32 and name.endswith("tid2eid"):
+            yield name, a.astype(np.int64), "I64"
+        else:
+            yield name, a, None
+
+
+def save_checkpoint(params, cfg: ModelConfig, path: str, *, layout: str = "official", quantize: bool = True) -> None:
+    """Write `params` as config.json + model.safetensors in the official layout (FP8/FP4 + scales when
+    `quantize`, else bf16) or in transformers 5.24's `save_pretrained` layout (float32, no MTP)."""
+    if layout not in ("official", "transformers"):
+        raise CheckpointError(f"unknown layout {layout!r}; choose 'official' or 'transformers'")
+    os.makedirs(path, exist_ok=True)
+    if layout == "official":
+        tensors, tags = {}, {}
+        for name, a, tag in official_tensors(params, cfg, quantize=quantize):
+            tensors[name] = a
+            if tag:
+                tags[name] = tag
+        safetensors_io.write(os.path.join(path, "model.safetensors"), tensors, dtype_names=tags,
+                             metadata={"format": "pt", "writer": "dsjax"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf_config_dict(cfg, quantized=quantize and cfg.weight_dtype == "fp8"), f, indent=2)
+        return
+    from dsjax import transformers_layout as tl
+
+    plain = {n: (a.astype(np.float32) if np.issubdtype(a.dtype, np.floating) else a)
+             for n, a, _ in official_tensors(params, cfg, quantize=False)}
+    tensors = tl.official_state_to_transformers(plain, layout="saved")
+    safetensors_io.write(os.path.join(path, "model.safetensors"), tensors, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(tl.hf_config_from_official(hf_config_dict(cfg, quantized=False)), f, indent=2)

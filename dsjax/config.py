@@ -150,6 +150,11 @@ class ModelConfig:
         return 64 if self.family == "v4" else 32
 
     @property
+    def index_quant_block(self) -> int:
+        """FP4 (e2m1, ue8m0 scale) block of the indexer's queries and keys."""
+        return 32
+
+    @property
     def numerics(self) -> str:
         for name in NUMERICS:
             if dataclasses.replace(self, **_NUMERIC_FIELDS[name]) == self:
@@ -308,6 +313,16 @@ def config_from_dict(raw: dict[str, Any], *, name: str = "custom", source: str =
             out[target] = value
     # rope scaling (HF) -> inference names
     rs = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if isinstance(rs, dict) and isinstance(rs.get("compress"), dict):  # transformers: {main: .., compress: ..}
+        main, rs = rs.get("main") or {}, rs["compress"]
+        if "rope_theta" in main:
+            out["rope_theta"] = main["rope_theta"]
+        if "rope_theta" in rs:
+            out["compress_rope_theta"] = rs["rope_theta"]
+        if rs.get("rope_type") == "yarn":
+            rs = {k: v for k, v in rs.items() if k != "rope_theta"}
+        else:
+            out["original_seq_len"], rs = 0, {}
     if isinstance(rs, dict) and rs:
         if "factor" in rs:
             out["rope_factor"] = rs["factor"]

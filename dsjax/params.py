@@ -65,6 +65,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, *, put=jnp.asarray):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         if node.init[0] == "tid2eid":
             return put(_tid2eid(rng, node.shape[0], node.shape[1], cfg.n_routed_experts))
-        return put(_draw(rng, node, node.shape).astype(node.dtype))
+        a = _draw(rng, node, node.shape)
+        if name.endswith("attn.wo_a.weight") and cfg.weight_dtype == "fp8":
+            # released checkpoints store wo_a in FP8 (dequantised on load): draw what they could hold
+            a = quant.dequantize_fp8_blocks_np(*quant.quantize_fp8_blocks(a, cfg.weight_block_size), cfg.weight_block_size)
+        return put(a.astype(node.dtype))
 
     return jax.tree_util.tree_map_with_path(init, tree, is_leaf=is_node)

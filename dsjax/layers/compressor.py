@@ -35,7 +35,7 @@ def finish_entries(pooled, entry_positions, w: Compressor, cfg: ModelConfig, lay
     kv = apply_rope(kv, rope_angles(cfg, layer, entry_positions))
     if index_keys:
         if cfg.index_quant_sim:
-            kv = quant.fp4_e2m1_sim(quant.hadamard(kv), 32)
+            kv = quant.fp4_e2m1_sim(quant.hadamard(kv), cfg.index_quant_block)
     elif cfg.kv_quant_sim:
         rd = cfg.rope_head_dim
         kv = jnp.concatenate([quant.fp8_e4m3_sim(kv[..., :-rd], cfg.kv_quant_block), kv[..., -rd:]], axis=-1)

@@ -23,7 +23,7 @@ def index_queries(qr, w: Indexer, cfg: ModelConfig, angles):
     q = linear(qr, w.wq_b, cfg).reshape(b, s, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, angles[:, :, None, :])
     if cfg.index_quant_sim:
-        q = quant.fp4_e2m1_sim(quant.hadamard(q), 32)
+        q = quant.fp4_e2m1_sim(quant.hadamard(q), cfg.index_quant_block)
     return q
 
 
