@@ -12,7 +12,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.linear import dequantize, einsum_acc32, linear
 from dsjax import quant
 from dsjax.weights import MoE
-from dsjax.numerics import div_exact, round_to, sigmoid, silu, softmax_exact, softplus
+from dsjax.numerics import div_exact, round_to, sigmoid, silu, softmax_exact, softplus, sum_in_order
 
 
 def route(x, token_ids, w: MoE, cfg: ModelConfig):
@@ -52,7 +52,7 @@ def shared_expert(x, w: MoE, cfg: ModelConfig):
 
 
 def routed_experts_dense(x, weights, ids, w: MoE, cfg: ModelConfig):
-    """Every expert on every token, masked by the routing weights (reference path: simple, exact, O(E))."""
+    """Every expert on every token, masked by the routing weights (the reference: simple, exact, O(E))."""
     dt = x.dtype
     E = cfg.n_routed_experts
     combine = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32) * weights[..., None], axis=1)  # [n,E]
@@ -64,7 +64,51 @@ def routed_experts_dense(x, weights, ids, w: MoE, cfg: ModelConfig):
     if cfg.act_quant_sim:
         h = quant.fp8_e4m3_sim(h, cfg.act_quant_block)
     y = round_to(einsum_acc32("nei,edi->ned", h, w2), dt)
-    return jnp.sum(y.astype(jnp.float32), axis=1)
+    return sum_in_order(y.astype(jnp.float32), axis=1)
+
+
+def _expert_ffn(xs, ws, slot_experts, w: MoE, cfg: ModelConfig, matmul_fn):
+    """SwiGLU of each (token, expert) row xs [m, D] with its routing weight ws [m]; returns [m, D] in x's dtype."""
+    dt = xs.dtype
+    xq = quant.fp8_e4m3_sim(xs, cfg.act_quant_block) if cfg.act_quant_sim else xs
+    g = round_to(matmul_fn(xq, w.w1), dt).astype(jnp.float32)
+    u = round_to(matmul_fn(xq, w.w3), dt).astype(jnp.float32)
+    h = round_to(swiglu(g, u, cfg.swiglu_limit) * ws[:, None], dt)
+    if cfg.act_quant_sim:
+        h = quant.fp8_e4m3_sim(h, cfg.act_quant_block)
+    return round_to(matmul_fn(h, w.w2), dt)
+
+
+def routed_experts_sparse(x, weights, ids, w: MoE, cfg: ModelConfig):
+    """Only the chosen experts: gathered weights for few rows (decode), a grouped matmul otherwise (prefill).
+
+    Per token the k expert outputs are summed in ascending expert order, as the reference's loop does.
+    """
+    n, k = ids.shape
+    E, dt = cfg.n_routed_experts, x.dtype
+    order_in_row = jnp.argsort(ids, axis=-1)
+    ids = jnp.take_along_axis(ids, order_in_row, axis=-1)
+    weights = jnp.take_along_axis(weights, order_in_row, axis=-1)
+    flat_e, flat_w = ids.reshape(-1), weights.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)
+    if n * k < E:  # few rows: read just their experts' weights
+        def gathered(a, lin):
+            sub = type(lin)(lin.weight[flat_e], None if lin.scale is None else lin.scale[flat_e], lin.fmt, lin.block)
+            return einsum_acc32("md,mod->mo", a, dequantize(sub, dt))
+        y = _expert_ffn(xs, flat_w, flat_e, w, cfg, gathered)
+    else:  # many rows: sort by expert, one grouped matmul per projection
+        order = jnp.argsort(flat_e, stable=True)
+        sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+
+        def grouped(a, lin):
+            rhs = jnp.swapaxes(dequantize(lin, dt), 1, 2)  # [E, in, out]
+            if jax.default_backend() == "cpu" and dt != jnp.float32:
+                a, rhs = a.astype(jnp.float32), rhs.astype(jnp.float32)
+            return jax.lax.ragged_dot(a, rhs, sizes, preferred_element_type=jnp.float32,
+                                      precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
+        y_sorted = _expert_ffn(xs[order], flat_w[order], flat_e[order], w, cfg, grouped)
+        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    return sum_in_order(y.reshape(n, k, -1).astype(jnp.float32), axis=1)
 
 
 def moe(x, token_ids, w: MoE, cfg: ModelConfig):
@@ -72,7 +116,8 @@ def moe(x, token_ids, w: MoE, cfg: ModelConfig):
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     weights, ids = route(xf, token_ids.reshape(-1), w, cfg)
-    y = routed_experts_dense(xf, weights, ids, w, cfg)
+    experts = routed_experts_dense if cfg.kernels == "reference" else routed_experts_sparse
+    y = experts(xf, weights, ids, w, cfg)
     y = y + shared_expert(xf, w, cfg).astype(jnp.float32)
     return round_to(y, x.dtype).reshape(shape)
 
