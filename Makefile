@@ -1,6 +1,6 @@
 # Two commands do all set-up (README): `make demo` runs the embedded default, `make test` passes the tests.
 SHELL := /bin/bash
-PY312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | head -n1)
+PY312 ?= $(shell for p in $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null) $$(command -v python3.12); do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo "$$p" && break; done)
 VENV ?= .venv
 PYTEST_ARGS ?=
 

@@ -50,8 +50,8 @@ def compress_prefill(x, w: Compressor, cfg: ModelConfig, layer: int, ratio: int,
     hp = jax.lax.Precision.HIGHEST
     kv = jnp.einsum("bsi,oi->bso", xf[:, : n * ratio], w.wkv.astype(jnp.float32), precision=hp)
     score = jnp.einsum("bsi,oi->bso", xf[:, : n * ratio], w.wgate.astype(jnp.float32), precision=hp)
-    kv = kv.reshape(b, n, ratio, -1)
-    score = score.reshape(b, n, ratio, -1) + w.ape
+    kv = kv.reshape(b, n, ratio, kv.shape[-1])  # explicit width: n is 0 while s < ratio
+    score = score.reshape(b, n, ratio, score.shape[-1]) + w.ape
     pooled = pool_groups(kv, score, ratio, overlap=ratio == 4)
     positions = jnp.arange(n, dtype=jnp.int32) * ratio
     return finish_entries(pooled, positions[None, :], w, cfg, layer, index_keys=index_keys, dtype=x.dtype)
