@@ -103,7 +103,7 @@ def _check(name: str, files, info: ArrayInfo, shape) -> None:
     found_shape, tag = sf.shape(name), sf.dtype_name(name)
     if tuple(found_shape) != tuple(shape):
         raise CheckpointError(f"{name}: expected shape {tuple(shape)}, found {tuple(found_shape)} in {sf.path}")
-    lenient = isinstance(sf, _ArrayFile) and jnp.dtype(info.dtype) in (jnp.bfloat16, jnp.float32) and tag in _FLOAT_TAGS
+    lenient = isinstance(sf, _RenamedFile) and jnp.dtype(info.dtype) in (jnp.bfloat16, jnp.float32) and tag in _FLOAT_TAGS
     if tag not in _STORED[jnp.dtype(info.dtype)] and not lenient:
         raise CheckpointError(f"{name}: expected dtype {'/'.join(_STORED[jnp.dtype(info.dtype)])}, found {tag} in {sf.path}")
 
@@ -174,32 +174,65 @@ def load_params(path: str, cfg: ModelConfig | None = None, **kw):
     return read_tree(files, cfg, **kw)
 
 
-class _ArrayFile:
-    """Duck-types SafetensorsFile for tensors already in memory (the transformers -> official view)."""
+class _LazyTensor:
+    """A tensor of a memory-mapped file, read (and sliced) only when asked: keeps the renamed view streaming."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], tags: dict[str, str], path: str):
-        self.arrays, self.tags, self.path = arrays, tags, path
+    def __init__(self, sf, name: str, index=()):
+        self.sf, self.name, self.index = sf, name, index
+
+    def __getitem__(self, idx):
+        return _LazyTensor(self.sf, self.name, self.index + (idx if isinstance(idx, tuple) else (idx,)))
+
+    @property
+    def shape(self):
+        shape = self.sf.shape(self.name)
+        probe = np.empty(shape, dtype=np.bool_)[self.index] if self.index else None
+        return tuple(probe.shape) if probe is not None else tuple(shape)
+
+    def load(self) -> np.ndarray:
+        a = self.sf.get(self.name)
+        return a[self.index] if self.index else a
+
+
+class _RenamedFile:
+    """Duck-types SafetensorsFile for transformers' names seen under their official names."""
+
+    def __init__(self, tensors: dict[str, _LazyTensor], path: str):
+        self.tensors, self.path = tensors, path
 
     def get(self, name):
-        return self.arrays[name]
+        return self.tensors[name].load()
 
     def shape(self, name):
-        return tuple(self.arrays[name].shape)
+        return self.tensors[name].shape
 
     def dtype_name(self, name):
-        return self.tags[name]
+        t = self.tensors[name]
+        return t.sf.dtype_name(t.name)
 
 
 def _official_view_of_transformers(files: dict, cfg: ModelConfig) -> dict:
     from dsjax import transformers_layout as tl
 
-    arrays, tags = {}, {}
+    tensors = {}
     for name, sf in files.items():
-        for off_name, arr in tl.transformers_to_official(name, sf.get(name)):
-            arrays[off_name] = np.asarray(arr)
-            tags[off_name] = sf.dtype_name(name) if arr.dtype == sf.get(name).dtype else safetensors_io._NAMES.get(np.dtype(arr.dtype), "F32")
-    view = _ArrayFile(arrays, tags, next(iter(files.values())).path)
-    return {n: view for n in arrays}
+        layout = "internal" if "mlp.experts.gate_up_proj" in name or "mlp.experts.down_proj" in name else "saved"
+        lazy = _LazyTensor(sf, name)
+        if layout == "internal":  # fused experts: the split needs the expert count and the inner size
+            arr_like = np.empty(sf.shape(name), dtype=np.bool_)
+            for off_name, part in tl.transformers_to_official(name, arr_like, "internal"):
+                e = int(off_name.split(".experts.")[1].split(".")[0])
+                if name.endswith("down_proj"):
+                    tensors[off_name] = lazy[e]
+                else:
+                    inter = sf.shape(name)[1] // 2
+                    sl = slice(0, inter) if off_name.endswith("w1.weight") else slice(inter, 2 * inter)
+                    tensors[off_name] = lazy[e, sl]
+            continue
+        for off_name, obj in tl.transformers_to_official(name, lazy, "saved"):
+            tensors[off_name] = obj
+    view = _RenamedFile(tensors, next(iter(files.values())).path)
+    return {n: view for n in tensors}
 
 
 # ---------------------------------------------------------------------- writing

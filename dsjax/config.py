@@ -217,7 +217,7 @@ _NUMERIC_FIELDS: dict[str, dict[str, Any]] = {
 
 # ---------------------------------------------------------------------- presets
 def _v4_flash(**kw) -> ModelConfig:
-    return ModelConfig(name="v4-flash", **kw)
+    return ModelConfig(**{"name": "v4-flash", **kw})
 
 
 def _v41_flash(**kw) -> ModelConfig:
@@ -345,6 +345,10 @@ def config_from_dict(raw: dict[str, Any], *, name: str = "custom", source: str =
     if "mlp_layer_types" in d and "num_hash_layers" not in d and "n_hash_layers" not in d:
         out["n_hash_layers"] = sum(1 for t in d["mlp_layer_types"] if t == "hash_moe")
     if "n_layers" in out and "compress_ratios" in out:
+        if len(out["compress_ratios"]) < int(out["n_layers"]):
+            n_mtp = int(out.get("n_mtp_layers", 1))
+            raise ConfigError(f"{source}: compress_ratios has {len(out['compress_ratios'])} entries, expected one per "
+                              f"layer plus one per MTP layer: {out['n_layers']} + {n_mtp} = {int(out['n_layers']) + n_mtp}")
         n_mtp = len(out["compress_ratios"]) - int(out["n_layers"])
         if "n_mtp_layers" not in out or n_mtp != out["n_mtp_layers"]:
             # official V4 configs list one ratio per MTP layer; pad or trim to what the config declares
@@ -368,6 +372,8 @@ def config_from_dict(raw: dict[str, Any], *, name: str = "custom", source: str =
             raise ConfigError(f"{source}: weight_block_size must be a square [B, B], found {wbs!r}")
         out["weight_block_size"] = int(wbs[0])
     ed = d.get("expert_dtype", q.get("expert_dtype") if isinstance(q, dict) else None)
+    if ed is None and q and model_type.startswith("deepseek_v4"):
+        ed = "fp4"  # every released V4-family checkpoint has FP4 experts; V4-Flash's first config.json omits the key
     out["expert_dtype"] = ed if ed in ("fp4", "fp8") else ("fp8" if out.get("weight_dtype", "fp8") == "fp8" and ed is None and q else "bf16")
     if out.get("weight_dtype") == "bf16":
         out["expert_dtype"] = "bf16"

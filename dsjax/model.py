@@ -1,8 +1,9 @@
-"""The V4 forward pass as a pure function: weights, config and token ids in, logits out.
+"""The V4 forward pass as a pure function: weights, config, tokens and decode state in; logits and state out.
 
-`forward_hidden` returns the residual streams before `hc_head` (the MTP head's input); `logits` applies
-hc_head, the final norm and the fp32 head. This is the full-sequence (prefill from position 0) form; the
-fixed-shape decode state arrives with the decode loop.
+`forward_chunk` advances a batch of rows by one chunk — a prompt chunk, one decode token, or a verify block —
+each row at its own position (`state.lengths`), the first `n_valid[b]` tokens real. `forward` is the
+full-sequence special case (one chunk from an empty state). `hidden` outputs are the residual streams before
+hc_head (the MTP head's input).
 """
 
 from __future__ import annotations
@@ -11,23 +12,24 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
-from dsjax.layers.attention import attention_prefill
+from dsjax.layers.attention import attention
 from dsjax.layers.hyper_connections import hc_head, hc_post, hc_pre
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
+from dsjax.state import DecodeState, LayerState, init_state
 from dsjax.weights import Block, Model
 
 
-def block_forward(h, token_ids, w: Block, cfg: ModelConfig, layer: int):
-    """One block on the n hyper-connection streams h [b,s,n,D]."""
+def block_forward(h, token_ids, w: Block, cfg: ModelConfig, layer: int, st: LayerState, start, n_valid):
+    """One block on the n hyper-connection streams h [b,t,n,D]. Returns (h, new layer state)."""
     residual = h
     x, post, comb = hc_pre(h, w.hc_attn, cfg)
-    x = attention_prefill(rms_norm(x, w.attn_norm, cfg.norm_eps), w.attn, cfg, layer)
+    x, st = attention(rms_norm(x, w.attn_norm, cfg.norm_eps), w.attn, cfg, layer, st, start, n_valid)
     h = hc_post(x, residual, post, comb)
     residual = h
     x, post, comb = hc_pre(h, w.hc_ffn, cfg)
     x = moe(rms_norm(x, w.ffn_norm, cfg.norm_eps), token_ids, w.ffn, cfg)
-    return hc_post(x, residual, post, comb)
+    return hc_post(x, residual, post, comb), st
 
 
 def embed(params: Model, cfg: ModelConfig, token_ids):
@@ -36,12 +38,17 @@ def embed(params: Model, cfg: ModelConfig, token_ids):
     return jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
 
 
-def forward_hidden(params: Model, cfg: ModelConfig, token_ids):
-    """token_ids [b,s] -> residual streams [b,s,n,D] after the last block (before hc_head)."""
+def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState, n_valid=None):
+    """token_ids [B,T] at positions state.lengths[b]+t -> (streams [B,T,n,D] before hc_head, new state)."""
+    B, T = token_ids.shape
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    start = state.lengths
     h = embed(params, cfg, token_ids)
-    for layer, w in enumerate(params.layers):
-        h = block_forward(h, token_ids, w, cfg, layer)
-    return h
+    layers = []
+    for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
+        h, st = block_forward(h, token_ids, w, cfg, layer, st, start, n_valid)
+        layers.append(st)
+    return h, DecodeState(lengths=start + n_valid, layers=tuple(layers))
 
 
 def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):
@@ -51,9 +58,16 @@ def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):
                       precision=jax.lax.Precision.HIGHEST)
 
 
+def forward_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState, n_valid=None):
+    """Logits float32 [B,T,V] of one chunk, and the advanced state."""
+    h, state = forward_hidden_chunk(params, cfg, token_ids, state, n_valid)
+    return head_logits(h, params, cfg, params.hc_head, params.norm), state
+
+
 def forward(params: Model, cfg: ModelConfig, token_ids, positions=None):
-    """Logits float32 [b, s, V], or [b, len(positions), V] when `positions` (static ints) are given."""
-    h = forward_hidden(params, cfg, token_ids)
+    """Full-sequence logits float32 [b, s, V] (or [b, len(positions), V] for static `positions`)."""
+    b, s = token_ids.shape
+    h, _ = forward_hidden_chunk(params, cfg, token_ids, init_state(cfg, b, s))
     if positions is not None:
         h = h[:, jnp.asarray(positions)]
     return head_logits(h, params, cfg, params.hc_head, params.norm)

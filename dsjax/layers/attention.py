@@ -1,8 +1,9 @@
 """V4 attention: low-rank q, one shared 512-d KV latent (K = V), per-head sink, grouped low-rank output.
 
 Every layer attends to a sliding window of raw KV; CSA layers add the indexer's top-k compressed entries,
-HCA layers every completed compressed entry. This module holds the full-sequence (prefill from position 0)
-form with dense visibility masks; the sparse-gather decode form lives beside the decode state.
+HCA layers every completed compressed entry. One function serves prefill chunks, decode steps
+and verify blocks: each query gathers a fixed-length key list (its window, then its compressed entries) from the
+layer state and the chunk, so results do not depend on how a sequence was split into chunks.
 """
 
 import jax
@@ -10,11 +11,13 @@ import jax.numpy as jnp
 
 from dsjax import quant
 from dsjax.config import ModelConfig
-from dsjax.layers.compressor import compress_prefill
+from dsjax.layers.compressor import compress_chunk
 from dsjax.layers.indexer import index_queries, index_scores, select_topk
 from dsjax.layers.linear import einsum_acc32, linear
 from dsjax.layers.norms import rms_norm, weightless_head_norm
 from dsjax.layers.rope import apply_rope, rope_angles
+from dsjax.layers.rows import take_rows
+from dsjax.state import LayerState
 from dsjax.weights import Attention
 from dsjax.numerics import div_exact, round_to
 
@@ -38,34 +41,51 @@ def project_kv(x, w: Attention, cfg: ModelConfig, angles):
     return kv
 
 
-def sink_attention(q, kv, mask, sink, scale: float):
-    """Softmax attention with a per-head zero-value sink, K = V. q [b,s,H,d], kv [b,T,d], mask [b,s,T].
+def sink_attention(q, keys, valid, sink, scale: float):
+    """Softmax attention with a per-head zero-value sink, K = V, over per-query key lists.
 
-    As the reference kernel: fp32 logits, max over the visible set, probabilities rounded to the compute
-    dtype before P·V, the sink only in the denominator. A row with nothing visible returns 0.
+    q [b,t,H,d]; keys [b,t,K,d]; valid [b,t,K]. As the reference kernel: fp32 logits, max over the valid keys,
+    probabilities rounded to the compute dtype before P·V, the sink only in the denominator; a query with no
+    valid key returns 0. The key list has a fixed length, so the reductions do not depend on the chunking.
     """
     dt = q.dtype
-    logits = einsum_acc32("bshd,btd->bhst", q, kv) * scale
-    m4 = mask[:, None]
-    logits = jnp.where(m4, logits, -jnp.inf)
+    logits = einsum_acc32("bthd,btkd->bthk", q, keys) * scale
+    m = valid[:, :, None, :]
+    logits = jnp.where(m, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(m4, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink[None, :, None, None] - row_max)
-    o = einsum_acc32("bhst,btd->bshd", round_to(p, dt), kv)
-    return round_to(div_exact(o, jnp.moveaxis(denom, 1, 2)), dt)
+    p = jnp.where(m, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink[None, None, :, None] - row_max)
+    o = einsum_acc32("bthk,btkd->bthd", round_to(p, dt), keys)
+    return round_to(div_exact(o, denom), dt)
 
 
-def window_mask(s: int, window: int):
-    """[s, s] causal sliding window: query i sees keys max(0, i-window+1)..i."""
-    i = jnp.arange(s)[:, None]
-    j = jnp.arange(s)[None, :]
-    return (j <= i) & (j > i - window)
+def window_keys(ring, kv, start, window: int):
+    """Per query, its window as a key list in ascending position order (oldest first).
+
+    ring [B,W,d] holds positions < start (slot p % W); kv [B,T,d] the chunk. Returns keys [B,T,W,d], valid [B,T,W].
+    """
+    T = kv.shape[1]
+    q_pos = start[:, None] + jnp.arange(T)[None, :]                       # [B,T]
+    k_pos = q_pos[..., None] - (window - 1) + jnp.arange(window)         # [B,T,W]
+    src = jnp.where(k_pos >= start[:, None, None], window + k_pos - start[:, None, None], k_pos % window)
+    keys = take_rows(jnp.concatenate([ring, kv], axis=1), src)
+    return keys, k_pos >= 0
 
 
-def compressed_visible(s: int, n_entries: int, ratio: int):
-    """[s, n] entry j is visible to position i once its group is complete: j < (i+1)//ratio."""
-    return jnp.arange(n_entries)[None, :] < (jnp.arange(s)[:, None] + 1) // ratio
+def update_ring(ring, kv, start, n_valid):
+    """Slot s <- the latest real position p < start+n_valid with p ≡ s (mod W): from the chunk or kept."""
+    W = ring.shape[1]
+    end = start + n_valid
+    p = (end - 1)[:, None] - ((end - 1)[:, None] - jnp.arange(W)[None, :]) % W   # [B,W]
+    from_chunk = p >= start[:, None]
+    src = jnp.where(from_chunk, W + p - start[:, None], jnp.arange(W)[None, :])
+    return take_rows(jnp.concatenate([ring, kv.astype(ring.dtype)], axis=1), src)
+
+
+def compressed_visible(q_pos, n_entries: int, ratio: int):
+    """[..., n] entry j is visible to position q once its group is complete: j < (q+1)//ratio."""
+    return jnp.arange(n_entries) < ((q_pos + 1) // ratio)[..., None]
 
 
 def output_projection(o, w: Attention, cfg: ModelConfig):
@@ -78,24 +98,31 @@ def output_projection(o, w: Attention, cfg: ModelConfig):
     return linear(round_to(r, o.dtype).reshape(b, s, G * R), w.wo_b, cfg)
 
 
-def attention_prefill(x, w: Attention, cfg: ModelConfig, layer: int):
-    """Full-sequence attention from position 0. x [b,s,D] (normed sub-layer input) -> [b,s,D]."""
-    b, s, _ = x.shape
-    positions = jnp.arange(s, dtype=jnp.int32)[None, :]
-    angles = rope_angles(cfg, layer, positions)
+def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, start, n_valid):
+    """One attention sub-layer over a chunk. x [B,T,D] (normed) at positions start[b]+t, the first n_valid[b]
+    real; st holds everything before `start`. Returns (out [B,T,D], new layer state)."""
+    B, T, _ = x.shape
+    q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    angles = rope_angles(cfg, layer, q_pos)
     q, qr = project_q(x, w, cfg, angles)
     kv = project_kv(x, w, cfg, angles)
-    mask = jnp.broadcast_to(window_mask(s, cfg.window_size), (b, s, s))
+    keys, valid = window_keys(st.window, kv, start, cfg.window_size)
     ratio = cfg.layer_ratio(layer)
+    comp, index = st.compressor, st.index
     if ratio:
-        entries = compress_prefill(x, w.compressor, cfg, layer, ratio)
-        visible = jnp.broadcast_to(compressed_visible(s, entries.shape[1], ratio), (b, s, entries.shape[1]))
+        comp = compress_chunk(x, w.compressor, comp, cfg, layer, ratio, start, n_valid)
+        visible = compressed_visible(q_pos, comp.entries.shape[1], ratio)          # [B,T,N]
         if w.indexer is not None:
-            keys = compress_prefill(x, w.indexer.compressor, cfg, layer, ratio, index_keys=True)
+            index = compress_chunk(x, w.indexer.compressor, index, cfg, layer, ratio, start, n_valid, index_keys=True)
             iq = index_queries(qr, w.indexer, cfg, angles)
-            visible = select_topk(index_scores(x, iq, keys, w.indexer, cfg), visible, cfg.index_topk)
-        kv = jnp.concatenate([kv, entries], axis=1)
-        mask = jnp.concatenate([mask, visible], axis=2)
-    o = sink_attention(q, kv, mask, w.attn_sink, cfg.head_dim ** -0.5)
+            chosen, chosen_ok = select_topk(index_scores(x, iq, index.entries, w.indexer, cfg), visible, cfg.index_topk)
+            c_keys, c_valid = take_rows(comp.entries, chosen), chosen_ok
+        else:
+            c_keys = jnp.broadcast_to(comp.entries[:, None], (B, T) + comp.entries.shape[1:])
+            c_valid = visible
+        keys = jnp.concatenate([keys, c_keys.astype(keys.dtype)], axis=2)
+        valid = jnp.concatenate([valid, c_valid], axis=2)
+    o = sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5)
     o = apply_rope(o, angles[:, :, None, :], inverse=True)
-    return output_projection(o, w, cfg)
+    new_state = LayerState(window=update_ring(st.window, kv, start, n_valid), compressor=comp, index=index)
+    return output_projection(o, w, cfg), new_state

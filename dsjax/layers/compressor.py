@@ -12,21 +12,10 @@ from dsjax import quant
 from dsjax.config import ModelConfig
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_angles
+from dsjax.layers.rows import take_rows
+from dsjax.state import CompressorState
 from dsjax.weights import Compressor
 from dsjax.numerics import materialize, round_to, softmax_exact
-
-
-def pool_groups(kv, score, ratio: int, overlap: bool):
-    """kv, score: fp32 [b, n, ratio, c·d] (ape already in score) -> pooled fp32 [b, n, d]."""
-    if overlap:
-        d = kv.shape[-1] // 2
-        pad_kv = jnp.zeros_like(kv[:, :1, :, :d])
-        pad_sc = jnp.full_like(score[:, :1, :, :d], -jnp.inf)
-        prev_kv = jnp.concatenate([pad_kv, kv[:, :-1, :, :d]], axis=1)
-        prev_sc = jnp.concatenate([pad_sc, score[:, :-1, :, :d]], axis=1)
-        kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)
-        score = jnp.concatenate([prev_sc, score[..., d:]], axis=2)
-    return jnp.sum(materialize(kv * softmax_exact(score, axis=2)), axis=2)
 
 
 def finish_entries(pooled, entry_positions, w: Compressor, cfg: ModelConfig, layer: int, *, index_keys: bool, dtype):
@@ -42,16 +31,53 @@ def finish_entries(pooled, entry_positions, w: Compressor, cfg: ModelConfig, lay
     return kv
 
 
-def compress_prefill(x, w: Compressor, cfg: ModelConfig, layer: int, ratio: int, *, index_keys: bool = False):
-    """All complete groups of a sequence that starts at position 0. x [b, s, D] -> entries [b, s//ratio, d]."""
-    b, s, _ = x.shape
-    n = s // ratio
+def compress_chunk(x, w: Compressor, st: CompressorState, cfg: ModelConfig, layer: int, ratio: int,
+                   start, n_valid, *, index_keys: bool = False) -> CompressorState:
+    """Advance a compressor over a chunk: x [B,T,D] at positions start[b]+t, the first n_valid[b] real.
+
+    Every group that completes inside the chunk is pooled and written to `entries` at its index; the last
+    c·ratio positions' projections are kept for the groups still open. Fixed shapes: at most T//ratio + 1
+    groups can complete in a chunk, so that many candidates are pooled and the incomplete ones dropped.
+    """
+    B, T, _ = x.shape
+    overlap = ratio == 4
+    R = st.kv.shape[1]
+    d = st.entries.shape[-1]
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
-    kv = jnp.einsum("bsi,oi->bso", xf[:, : n * ratio], w.wkv.astype(jnp.float32), precision=hp)
-    score = jnp.einsum("bsi,oi->bso", xf[:, : n * ratio], w.wgate.astype(jnp.float32), precision=hp)
-    kv = kv.reshape(b, n, ratio, kv.shape[-1])  # explicit width: n is 0 while s < ratio
-    score = score.reshape(b, n, ratio, score.shape[-1]) + w.ape
-    pooled = pool_groups(kv, score, ratio, overlap=ratio == 4)
-    positions = jnp.arange(n, dtype=jnp.int32) * ratio
-    return finish_entries(pooled, positions[None, :], w, cfg, layer, index_keys=index_keys, dtype=x.dtype)
+    pos = start[:, None] + jnp.arange(T)[None, :]                                   # [B,T]
+    kv = jnp.einsum("bsi,oi->bso", xf, w.wkv.astype(jnp.float32), precision=hp)
+    score = jnp.einsum("bsi,oi->bso", xf, w.wgate.astype(jnp.float32), precision=hp) + w.ape[pos % ratio]
+    # the chunk preceded by the buffered positions start-R .. start-1 (slot p % R; nothing before position 0)
+    buf_pos = start[:, None] - R + jnp.arange(R)[None, :]
+    buf_kv = take_rows(st.kv, buf_pos % R)
+    buf_sc = jnp.where((buf_pos >= 0)[..., None], take_rows(st.score, buf_pos % R), -jnp.inf)
+    ext_kv = jnp.concatenate([jnp.where((buf_pos >= 0)[..., None], buf_kv, 0.0), kv], axis=1)  # [B, R+T, c·d]
+    ext_sc = jnp.concatenate([buf_sc, score], axis=1)
+
+    def ext_index(p):
+        return p - (start - R).reshape((B,) + (1,) * (p.ndim - 1))
+
+    # candidate groups j = start//ratio + m, complete when (j+1)·ratio <= start + n_valid
+    M = T // ratio + 1
+    j = start[:, None] // ratio + jnp.arange(M)[None, :]                            # [B,M]
+    done = (j + 1) * ratio <= (start + n_valid)[:, None]
+    cur = j[..., None] * ratio + jnp.arange(ratio)                                  # [B,M,ratio] positions
+    g_kv = take_rows(ext_kv, ext_index(cur).clip(0, R + T - 1))
+    g_sc = take_rows(ext_sc, ext_index(cur).clip(0, R + T - 1))
+    if overlap:
+        prev = cur - ratio
+        p_kv = take_rows(ext_kv, ext_index(prev).clip(0, R + T - 1))[..., :d]
+        p_sc = take_rows(ext_sc, ext_index(prev).clip(0, R + T - 1))[..., :d]
+        g_kv = jnp.concatenate([p_kv, g_kv[..., d:]], axis=2)
+        g_sc = jnp.concatenate([p_sc, g_sc[..., d:]], axis=2)
+    pooled = jnp.sum(materialize(g_kv * softmax_exact(g_sc, axis=2)), axis=2)     # [B,M,d]
+    new = finish_entries(pooled, j * ratio, w, cfg, layer, index_keys=index_keys, dtype=st.entries.dtype)
+    n_max = st.entries.shape[1]
+    rows = jnp.where(done & (j < n_max), j, n_max)  # out of range -> dropped
+    entries = jax.vmap(lambda e, r, v: e.at[r].set(v, mode="drop"))(st.entries, rows, new)
+    # keep the last R real positions: slot s <- position end-R+((s-(end-R)) mod R)
+    end = start + n_valid
+    slot_pos = (end - R)[:, None] + (jnp.arange(R)[None, :] - (end - R)[:, None]) % R
+    keep = ext_index(slot_pos)
+    return CompressorState(kv=take_rows(ext_kv, keep), score=take_rows(ext_sc, keep), entries=entries)

@@ -28,7 +28,7 @@ def index_queries(qr, w: Indexer, cfg: ModelConfig, angles):
 
 
 def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig):
-    """x [b,s,D], q [b,s,nh,dh], keys [b,T,dh] -> scores [b,s,T] in the compute dtype."""
+    """x [b,s,D], q [b,s,nh,dh], keys [b,T,dh] (the index-key cache) -> scores [b,s,T] in the compute dtype."""
     dt = x.dtype
     scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
     weights = round_to(matmul(x, w.weights_proj.astype(dt), dt).astype(jnp.float32) * scale, dt)
@@ -38,12 +38,12 @@ def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig):
 
 
 def select_topk(scores, visible, k: int):
-    """Top-k visible entries per query as a boolean mask [b,s,T] (ties to the lower index)."""
-    T = scores.shape[-1]
-    k = min(k, T)
-    if k == 0:
-        return jnp.zeros(scores.shape, bool)
+    """Top-k visible entries per query: (indices int32 [b,s,k'], valid [b,s,k']), k' = min(k, T).
+
+    Ties break toward the lower index (`lax.top_k`), as DeepSeek's goldens assume; picks beyond the visible
+    entries come back marked invalid.
+    """
+    k = min(k, scores.shape[-1])
     masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    _, idx = jax.lax.top_k(masked, k)
-    chosen = jnp.put_along_axis(jnp.zeros(scores.shape, bool), idx, True, axis=-1, inplace=False)
-    return chosen & visible
+    top, idx = jax.lax.top_k(masked, k)
+    return idx.astype(jnp.int32), jnp.isfinite(top)

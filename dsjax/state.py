@@ -1,0 +1,66 @@
+"""Fixed-shape decode state for a batch of slots: window rings, compressor partial groups, compressed caches.
+
+Every array has a static shape set by (batch, max_seq_len), so one compiled step serves every position; a row's
+progress is the int32 `lengths[b]` (tokens already cached). Positions are implicit:
+
+- window ring: slot s holds the latest position p < length with p ≡ s (mod window);
+- compressor buffers: the projected kv/score of the last c·ratio positions, slot p mod (c·ratio) — enough to
+  pool any group that completes in the next chunk (ratio-4 entries also need the previous group);
+- compressed caches: entry j (tokens [j·ratio, (j+1)·ratio)) at row j, valid once length ≥ (j+1)·ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ModelConfig
+from dsjax.weights import pytree
+
+
+@pytree
+class CompressorState:
+    kv: jax.Array       # f32 [B, c·ratio, c·d]: projected kv of the last c·ratio positions (slot p % (c·ratio))
+    score: jax.Array    # f32 [B, c·ratio, c·d]: gate score + ape of the same positions (-inf before position 0)
+    entries: jax.Array  # [B, max_seq // ratio, d]: finished entries (normed, rotated, fake-quantised)
+
+
+@pytree
+class LayerState:
+    window: jax.Array                 # [B, window, d] ring of the layer's KV latent
+    compressor: Optional[CompressorState]
+    index: Optional[CompressorState]  # the indexer's own compressor (CSA layers): its entries are the index keys
+
+
+@pytree
+class DecodeState:
+    lengths: jax.Array  # int32 [B]: tokens already in the caches (the next token's position)
+    layers: tuple       # LayerState per backbone layer
+
+
+def _compressor_state(batch: int, max_seq: int, ratio: int, d: int, dtype) -> CompressorState:
+    c = 2 if ratio == 4 else 1
+    return CompressorState(
+        kv=jnp.zeros((batch, c * ratio, c * d), jnp.float32),
+        score=jnp.full((batch, c * ratio, c * d), -jnp.inf, jnp.float32),
+        entries=jnp.zeros((batch, max_seq // ratio, d), dtype),
+    )
+
+
+def init_state(cfg: ModelConfig, batch: int, max_seq: int) -> DecodeState:
+    """Empty caches for `batch` rows of up to `max_seq` tokens, in the compute dtype."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    layers = []
+    for layer in range(cfg.n_layers):
+        ratio = cfg.layer_ratio(layer)
+        comp = _compressor_state(batch, max_seq, ratio, cfg.head_dim, dt) if ratio else None
+        index = _compressor_state(batch, max_seq, ratio, cfg.index_head_dim, dt) if cfg.layer_kind(layer) == "csa" else None
+        layers.append(LayerState(window=jnp.zeros((batch, cfg.window_size, cfg.head_dim), dt), compressor=comp, index=index))
+    return DecodeState(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers))
+
+
+def state_bytes(cfg: ModelConfig, batch: int, max_seq: int) -> int:
+    shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq))
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
