@@ -90,7 +90,20 @@ def _wo_a_dequantised(name: str, files, cfg: ModelConfig, info: ArrayInfo) -> np
     if sf.dtype_name(name) != "F8_E4M3" or scale_name not in files:
         raise CheckpointError(f"{name}: expected BF16, or F8_E4M3 with {scale_name}; found {sf.dtype_name(name)} in {sf.path}")
     s = files[scale_name].get(scale_name).view(np.uint8)
-    return quant.dequantize_fp8_blocks_np(w, s, cfg.weight_block_size).astype(ml_dtypes.bfloat16)
+    _check_scale_bytes(scale_name, s, files[scale_name].path)
+    try:
+        return quant.dequantize_fp8_blocks_np(w, s, cfg.weight_block_size).astype(ml_dtypes.bfloat16)
+    except ValueError as e:  # a scale grid that does not fit the weight's blocks
+        raise CheckpointError(f"{scale_name}: cannot dequantise {name} with it ({e}) in {files[scale_name].path}") from None
+
+
+def _check_scale_bytes(name: str, scale_u8: np.ndarray, path: str) -> None:
+    """E8M0 byte 255 is NaN: refuse the checkpoint here rather than let it surface as NaN logits."""
+    bad = scale_u8 == 255
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckpointError(f"{name}: E8M0 scale byte 255 (NaN) at index {idx} ({int(bad.sum())} in total) in {path}; "
+                              f"scales must be finite powers of two (bytes 0-254)")
 
 
 _FLOAT_TAGS = ("BF16", "F16", "F32", "F64")
@@ -125,7 +138,10 @@ def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, Array
         if "{e}" not in name:
             _check(name, files, info, info.shape)
             used.add(name)
-            out = put(_convert(name, files[name].get(name), info), info)
+            a = _convert(name, files[name].get(name), info)
+            if name.endswith(".scale"):
+                _check_scale_bytes(name, a, files[name].path)
+            out = put(a, info)
             if progress:
                 progress(1)
             return out
@@ -136,6 +152,8 @@ def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, Array
             _check(n, files, info, info.shape[1:])
             used.add(n)
             stacked[e] = _convert(n, files[n].get(n), info)
+            if n.endswith(".scale"):
+                _check_scale_bytes(n, stacked[e], files[n].path)
         if progress:
             progress(E)
         return put(stacked, info)
