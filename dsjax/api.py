@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ import numpy as np
 from dsjax import checkpoint, orbax_io
 from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, load_config, preset
 from dsjax.errors import ConfigError, InputError
+from dsjax.generate import GenerateOptions, Generation, generate, stream
 from dsjax.model import forward
 from dsjax.params import init_params
 from dsjax.weights import nbytes
@@ -33,6 +34,8 @@ class Model:
     cfg: ModelConfig
     params: object
     source: str = ""
+    max_seq_len: int = 4096
+    max_batch: int = 8
 
     def check_token_ids(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids)
@@ -48,6 +51,28 @@ class Model:
             raise InputError(f"token id {int(ids[r, c])} at [{r}, {c}] is out of range [0, {self.cfg.vocab_size})")
         return ids.astype(np.int32)
 
+    def _options(self, max_new_tokens, **kw) -> GenerateOptions:
+        speculative = kw.pop("speculative", None)
+        kw.pop("num_draft_tokens", None)
+        if speculative is not None:
+            raise InputError(f"speculative={speculative!r} is not available yet; use speculative=None")
+        stops = kw.pop("stop_token_ids", None)
+        stops = (self.cfg.eos_token_id,) if stops is None else tuple(int(t) for t in stops)
+        return GenerateOptions(max_new_tokens=max_new_tokens, stop_token_ids=stops, **kw)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[Generation]:
+        """Generate for a batch of token-id prompts. Keywords: temperature, top_p, top_k, min_p,
+        seed (int or one per prompt), stop_token_ids (default: EOS), logprobs (top-k count), speculative,
+        num_draft_tokens, steps_per_dispatch, prefill_chunk."""
+        return generate(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
+                        max_seq=self.max_seq_len, max_batch=self.max_batch)
+
+    def stream(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> Iterator[list[list[int]]]:
+        """Same arguments as `generate`; yields the new tokens of every row once per device dispatch."""
+        for new, _done, _stats in stream(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
+                                         max_seq=self.max_seq_len, max_batch=self.max_batch):
+            yield new
+
     def logits(self, token_ids, positions: Sequence[int] | None = None) -> jax.Array:
         """float32 [b, s, vocab] logits of a full-sequence forward; only `positions` when given."""
         ids = self.check_token_ids(token_ids)
@@ -57,6 +82,16 @@ class Model:
             if any(p < 0 or p >= ids.shape[1] for p in pos):
                 raise InputError(f"positions must lie in [0, {ids.shape[1]}), got {list(pos)}")
         return _logits(self.params, jnp.asarray(ids), cfg=self.cfg, positions=pos)
+
+
+def _sizes(cfg: ModelConfig, max_seq_len: int | None, max_batch: int | None) -> dict:
+    seq = min(cfg.max_position_embeddings, 4096) if max_seq_len is None else int(max_seq_len)
+    batch = 8 if max_batch is None else int(max_batch)
+    if not 2 <= seq <= cfg.max_position_embeddings:
+        raise ConfigError(f"max_seq_len {seq} must lie in [2, {cfg.max_position_embeddings}] for {cfg.name}")
+    if batch < 1:
+        raise ConfigError(f"max_batch must be ≥ 1, got {batch}")
+    return {"max_seq_len": seq, "max_batch": batch}
 
 
 def load(path_or_preset: str, *, mesh=None, numerics: str = "reference-bf16", kernels: str = "auto",
@@ -79,14 +114,15 @@ def load(path_or_preset: str, *, mesh=None, numerics: str = "reference-bf16", ke
         else:
             cfg = checkpoint.checkpoint_config(path).with_numerics(numerics).replace(kernels=kernels)
             params = checkpoint.load_params(path, cfg)
-        return Model(cfg, params, source=path)
+        return Model(cfg, params, source=path, **_sizes(cfg, max_seq_len, max_batch))
     if path in PRESETS:
         cfg = preset(path).with_numerics(numerics).replace(kernels=kernels)
         size = nbytes(cfg)
         if size > _RANDOM_INIT_LIMIT:
             raise ConfigError(f"preset {path!r} needs {size / 2**30:.1f} GiB of weights; random init on the host "
                               f"is limited to {_RANDOM_INIT_LIMIT >> 30} GiB — pass a checkpoint directory")
-        return Model(cfg, init_params(cfg, seed), source=f"preset:{path} (random weights, seed {seed})")
+        return Model(cfg, init_params(cfg, seed), source=f"preset:{path} (random weights, seed {seed})",
+                     **_sizes(cfg, max_seq_len, max_batch))
     if os.path.exists(path):
         raise ConfigError(f"{path}: expected a checkpoint directory (config.json + *.safetensors) or an Orbax directory")
     raise ConfigError(f"{path!r} is neither a directory nor a known preset; presets: {', '.join(sorted(PRESETS))}")

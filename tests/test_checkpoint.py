@@ -4,11 +4,15 @@ and streaming reads.
 
 One small V4 model (window, CSA and HCA layers, hash and score routing, MTP, FP8 linears, FP4 experts) is drawn
 from the session seed and written once per layout. Every checkpoint directory is named `tiny-v4`, the name a
-config read from disk takes, so loaded configs equal the original one. Logits are compared in numerics
-"transformers" (fp32, no fake quantisation): the weights are what these tests are about, and one numerics for all
-keeps the number of compiled forwards (~5 s each on CPU) at three.
+config read from disk takes, so loaded configs equal the original one.
+
+Compiling a forward takes ~5 s on CPU, so the logits tests share two: logits are compared in numerics
+"transformers" (fp32, no fake quantisation; the weights are what these tests are about), and they use the model
+without its MTP layer (`NO_MTP`), which makes the bf16 official checkpoint and the transformers-layout one (which
+has no MTP) the same config. The MTP tensors are covered by the bitwise round trip and the format checks.
 """
 
+import dataclasses
 import os
 
 import jax
@@ -24,6 +28,7 @@ from dsjax.weights import Linear, describe, is_info
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "goldens", "v4_tiny_s1234")
 SMALL = dsjax.preset("tiny-v4", vocab_size=1024, n_layers=3, compress_ratios=(0, 4, 16, 0), n_hash_layers=1)
+NO_MTP = SMALL.replace(n_mtp_layers=0, compress_ratios=(0, 4, 16))
 SEQ = 40  # > index_topk CSA entries and two complete HCA groups, so the indexer and the compressors matter
 NUMERICS = "transformers"
 
@@ -78,24 +83,31 @@ def token_ids(test_seed):
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory, params):
-    """layout -> checkpoint directory (basename tiny-v4) written from `params`."""
+def params_no_mtp(params):
+    return dataclasses.replace(params, mtp=())
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, params, params_no_mtp):
+    """kind -> checkpoint directory (basename tiny-v4): "official" holds SMALL, the others NO_MTP."""
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
-    for key, kw in {"official": dict(layout="official"), "bf16": dict(layout="official", quantize=False),
-                    "transformers": dict(layout="transformers")}.items():
+    for key, p, cfg, kw in [("official", params, SMALL, dict(layout="official")),
+                            ("official-no-mtp", params_no_mtp, NO_MTP, dict(layout="official")),
+                            ("bf16", params_no_mtp, NO_MTP, dict(layout="official", quantize=False)),
+                            ("transformers", params, SMALL, dict(layout="transformers"))]:
         path = str(root / key / "tiny-v4")
-        dsjax.save_checkpoint(params, SMALL, path, **kw)
+        dsjax.save_checkpoint(p, cfg, path, **kw)
         out[key] = path
     return out
 
 
 @pytest.fixture(scope="module")
-def reference_logits(params, token_ids):
+def reference_logits(params_no_mtp, token_ids):
     """The original FP8/FP4 params' logits. Committed to the device like Orbax-restored arrays, so the Orbax model
     reuses this compilation (jit compiles committed and uncommitted arguments separately)."""
-    committed = jax.device_put(params, jax.devices()[0])
-    logits = np.asarray(dsjax.Model(SMALL.with_numerics(NUMERICS), committed).logits(token_ids))
+    committed = jax.device_put(params_no_mtp, jax.devices()[0])
+    logits = np.asarray(dsjax.Model(NO_MTP.with_numerics(NUMERICS), committed).logits(token_ids))
     assert np.isfinite(logits).all() and logits.std() > 0.1
     return logits
 
@@ -155,21 +167,21 @@ def test_official_file_uses_the_release_names_and_dtypes(written):
     assert not any(n.startswith(("mtp.0.embed", "mtp.0.head")) for n in t)  # shared with the main model
 
 
-def test_bf16_checkpoint_gives_identical_logits(written, params, token_ids, reference_logits):
+def test_bf16_checkpoint_gives_identical_logits(written, params_no_mtp, token_ids, reference_logits):
     """quantize=False writes the exact dequantisation (e4m3 or e2m1 times a power of two fits bf16), so the bf16
     model computes with the same numbers as the FP8/FP4 one: identical logits, not merely close ones."""
     tags = {tag for tag, _ in file_tensors(written["bf16"]).values()}
     assert tags <= {"BF16", "F32", "I64"}, tags
     model = dsjax.load(written["bf16"], numerics=NUMERICS)
     assert (model.cfg.weight_dtype, model.cfg.expert_dtype) == ("bf16", "bf16")
-    assert model.cfg == SMALL.with_numerics(NUMERICS).replace(weight_dtype="bf16", expert_dtype="bf16")
+    assert model.cfg == NO_MTP.with_numerics(NUMERICS).replace(weight_dtype="bf16", expert_dtype="bf16")
 
     def dense(x):
         return np.asarray(dequantize(x, np.float32)) if isinstance(x, Linear) else np.asarray(x).astype(np.float32)
 
     is_lin = lambda x: isinstance(x, Linear)  # noqa: E731
     for (name, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(model.params, is_leaf=is_lin)[0],
-                                 jax.tree_util.tree_flatten_with_path(params, is_leaf=is_lin)[0]):
+                                 jax.tree_util.tree_flatten_with_path(params_no_mtp, is_leaf=is_lin)[0]):
         np.testing.assert_array_equal(dense(a), dense(b), err_msg=jax.tree_util.keystr(name))
     np.testing.assert_array_equal(np.asarray(model.logits(token_ids)), reference_logits)
 
@@ -180,8 +192,7 @@ def test_transformers_layout_round_trip(written, token_ids, reference_logits):
     assert any(n.startswith("model.layers.") for n in names) and not any(n.startswith("mtp.") for n in names)
     model = dsjax.load(written["transformers"], numerics=NUMERICS)
     assert model.cfg.n_mtp_layers == 0 and model.params.mtp == ()
-    assert model.cfg == SMALL.with_numerics(NUMERICS).replace(
-        weight_dtype="bf16", expert_dtype="bf16", n_mtp_layers=0, compress_ratios=SMALL.compress_ratios[:3])
+    assert model.cfg == NO_MTP.with_numerics(NUMERICS).replace(weight_dtype="bf16", expert_dtype="bf16")
     np.testing.assert_array_equal(np.asarray(model.logits(token_ids)), reference_logits)
 
 
@@ -294,16 +305,20 @@ def test_golden_loads_in_stored_dtypes():
 
 
 # ---------------------------------------------------------------------- dsjax convert -> Orbax
-def test_convert_to_orbax(written, params, token_ids, reference_logits, tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["official", "official-no-mtp"])
+def test_convert_to_orbax(written, params, params_no_mtp, token_ids, reference_logits, tmp_path, capsys, kind):
     from dsjax import cli, orbax_io
+    cfg, original = (SMALL, params) if kind == "official" else (NO_MTP, params_no_mtp)
     dst = str(tmp_path / "orbax")
-    assert cli.main(["convert", written["official"], dst]) == 0
+    assert cli.main(["convert", written[kind], dst]) == 0
     assert dst in capsys.readouterr().out
     assert orbax_io.is_orbax_dir(dst)
-    assert dsjax.load(dst).cfg == SMALL  # the config travels with the arrays (default numerics)
+    assert dsjax.load(dst).cfg == cfg  # the config travels with the arrays (default numerics)
     model = dsjax.load(dst, numerics=NUMERICS)
-    assert model.cfg == SMALL.with_numerics(NUMERICS)
-    assert_bitwise_equal(model.params, params)
+    assert model.cfg == cfg.with_numerics(NUMERICS)
+    assert_bitwise_equal(model.params, original)
+    if kind == "official":
+        return  # the MTP-less twin below checks the logits against the shared compilation
     np.testing.assert_array_equal(np.asarray(model.logits(token_ids)), reference_logits)
 
 

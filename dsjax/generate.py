@@ -1,0 +1,177 @@
+"""Host side of generation: validate, prefill in fixed-size chunks, then dispatch the on-device loop.
+
+The host touches tokens once per dispatch (`steps_per_dispatch` decode steps), which is also the granularity
+of `stream`. Shapes are bucketed (batch slots, token buffer) so a handful of compiles serve every request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax.config import ModelConfig
+from dsjax.decode import LoopCarry, decode_steps, finish_flags, record
+from dsjax.errors import InputError
+from dsjax.model import forward_chunk
+from dsjax.sampling import SamplingParams, make_sampling, sample
+from dsjax.state import init_state
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[int]
+    finish_reason: str                  # "stop" | "length"
+    logprobs: list[dict] | None = None  # per token: {"logprob", "top": [(id, logprob), ...]}
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    max_new_tokens: int
+    temperature: float | Sequence[float] = 0.0
+    top_p: float | Sequence[float] = 1.0
+    top_k: int | Sequence[int] = 0
+    min_p: float | Sequence[float] = 0.0
+    seed: int | Sequence[int] = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0
+    steps_per_dispatch: int = 32
+    prefill_chunk: int = 256
+
+
+def _bucket(n: int, lo: int = 16) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _prefill_chunk(params, tokens, state, n_valid, *, cfg: ModelConfig):
+    return forward_chunk(params, cfg, tokens, state, n_valid)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "K", "max_seq"), donate_argnames=("carry",))
+def _first_token(carry: LoopCarry, logits, sp: SamplingParams, stop_ids, max_new, *, cfg, K: int, max_seq: int):
+    active = ~carry.done
+    tok = sample(logits, sp, carry.state.lengths)
+    carry = record(carry, tok, logits, K, active)
+    return dataclasses.replace(carry, done=finish_flags(carry, tok, active, stop_ids, max_new, max_seq))
+
+
+def validate(cfg: ModelConfig, prompts, opts: GenerateOptions, max_seq: int, max_batch: int):
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InputError("prompts must be a non-empty list of token-id lists")
+    if len(prompts) > max_batch:
+        raise InputError(f"{len(prompts)} prompts exceed max_batch={max_batch}; load with a larger max_batch")
+    out = []
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or a.size == 0:
+            raise InputError(f"prompt {i} is empty or not a flat list of token ids")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise InputError(f"prompt {i}: token ids must be integers, got {a.dtype}")
+        if (a < 0).any() or (a >= cfg.vocab_size).any():
+            bad = int(a[(a < 0) | (a >= cfg.vocab_size)][0])
+            raise InputError(f"prompt {i}: token id {bad} is out of range [0, {cfg.vocab_size})")
+        if a.size >= max_seq:
+            raise InputError(f"prompt {i} has {a.size} tokens; max_seq_len is {max_seq} (room is needed to generate)")
+        out.append(a.astype(np.int32))
+    if not isinstance(opts.max_new_tokens, (int, np.integer)) or opts.max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a positive int, got {opts.max_new_tokens!r}")
+    if opts.logprobs < 0 or opts.logprobs > 20:
+        raise InputError(f"logprobs must lie in [0, 20], got {opts.logprobs}")
+    for t in opts.stop_token_ids:
+        if not 0 <= int(t) < cfg.vocab_size:
+            raise InputError(f"stop token id {t} is out of range [0, {cfg.vocab_size})")
+    return out
+
+
+def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq: int, max_batch: int
+           ) -> Iterator[tuple[list[list[int]], list[bool], dict]]:
+    """Yields (new tokens per row, done per row, stats) once per device dispatch; the first yield is the
+    prefill's token."""
+    rows = validate(cfg, prompts, opts, max_seq, max_batch)
+    B = len(rows)
+    slots = _bucket(B, 1)
+    sp = make_sampling(B, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
+                       seed=opts.seed)
+    pad = slots - B
+    sp = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]) if pad else a, sp)
+    N = _bucket(opts.max_new_tokens)
+    K = opts.logprobs
+    stop_ids = jnp.asarray(sorted({int(t) for t in opts.stop_token_ids}), jnp.int32)
+    max_new = jnp.asarray([opts.max_new_tokens] * B + [1] * pad, jnp.int32)
+    lengths = np.array([len(r) for r in rows] + [1] * pad)
+    t0 = time.perf_counter()
+    # prefill: fixed-size chunks, every row at its own length
+    C = min(opts.prefill_chunk, _bucket(int(lengths.max())))
+    state = init_state(cfg, slots, max_seq)
+    last_logits = jnp.zeros((slots, cfg.vocab_size), jnp.float32)
+    for start in range(0, int(lengths.max()), C):
+        chunk = np.zeros((slots, C), np.int32)
+        for b, r in enumerate(rows):
+            part = r[start:start + C]
+            chunk[b, :len(part)] = part
+        n_valid = np.clip(lengths - start, 0, C).astype(np.int32)
+        logits, state = _prefill_chunk(params, jnp.asarray(chunk), state, jnp.asarray(n_valid), cfg=cfg)
+        last = np.clip(lengths - 1 - start, 0, C - 1)
+        here = (lengths - 1 >= start) & (lengths - 1 < start + C)
+        last_logits = jnp.where(jnp.asarray(here)[:, None], logits[jnp.arange(slots), jnp.asarray(last)], last_logits)
+    carry = LoopCarry(
+        state=state, last=jnp.zeros((slots,), jnp.int32), tokens=jnp.zeros((slots, N), jnp.int32),
+        logprob=jnp.zeros((slots, N), jnp.float32), top_ids=jnp.zeros((slots, N, K), jnp.int32),
+        top_lp=jnp.zeros((slots, N, K), jnp.float32), count=jnp.zeros((slots,), jnp.int32),
+        done=jnp.asarray([False] * B + [True] * pad), steps=jnp.int32(0))
+    carry = _first_token(carry, last_logits, sp, stop_ids, max_new, cfg=cfg, K=K, max_seq=max_seq)
+    ttft = time.perf_counter() - t0
+    seen = np.zeros(slots, np.int64)
+
+    def emit(carry):
+        nonlocal seen
+        count, done, toks = jax.device_get((carry.count, carry.done, carry.tokens))
+        new = [toks[b, seen[b]:count[b]].tolist() for b in range(B)]
+        seen = count.copy()
+        return new, done[:B].tolist()
+
+    new, done = emit(carry)
+    yield new, done, {"ttft_s": ttft, "decode_s": 0.0, "steps": 0, "carry": carry}
+    t1 = time.perf_counter()
+    while not all(done):
+        carry = decode_steps(params, carry, sp, stop_ids, max_new, cfg=cfg, max_steps=opts.steps_per_dispatch,
+                             K=K, max_seq=max_seq)
+        new, done = emit(carry)
+        yield new, done, {"ttft_s": ttft, "decode_s": time.perf_counter() - t1, "steps": int(carry.steps),
+                          "carry": carry}
+
+
+def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq: int, max_batch: int
+             ) -> list[Generation]:
+    B = len(prompts) if isinstance(prompts, (list, tuple)) else 0
+    out = [[] for _ in range(B)]
+    stats: dict = {}
+    for new, done, stats in stream(params, cfg, prompts, opts, max_seq=max_seq, max_batch=max_batch):
+        for b, toks in enumerate(new):
+            out[b].extend(toks)
+        carry = stats["carry"]
+    gens = []
+    stop = set(int(t) for t in opts.stop_token_ids)
+    lp, top_ids, top_lp = jax.device_get((carry.logprob, carry.top_ids, carry.top_lp))
+    for b in range(B):
+        toks = out[b]
+        reason = "stop" if toks and toks[-1] in stop else "length"
+        logprobs = None
+        if opts.logprobs:
+            logprobs = [{"logprob": float(lp[b, i]),
+                         "top": [(int(top_ids[b, i, j]), float(top_lp[b, i, j])) for j in range(opts.logprobs)]}
+                        for i in range(len(toks))]
+        gens.append(Generation(tokens=toks, finish_reason=reason, logprobs=logprobs, stats={
+            "steps": stats.get("steps", 0), "drafted": 0, "accepted": 0, "acceptance_length": 1.0,
+            "ttft_s": stats.get("ttft_s", 0.0), "decode_s": stats.get("decode_s", 0.0)}))
+    return gens
