@@ -19,7 +19,7 @@ oracle:
 	bash tests/oracle/build_venv.sh >/dev/null
 
 demo: venv
-	$(VENV)/bin/dsjax logits --prompt "The capital of France is"
+	$(VENV)/bin/dsjax generate --prompt "The capital of France is" --max-new-tokens 32
 
 test: venv oracle
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -94,12 +94,28 @@ def _sizes(cfg: ModelConfig, max_seq_len: int | None, max_batch: int | None) -> 
     return {"max_seq_len": seq, "max_batch": batch}
 
 
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dsjax", "xla")
+
+
+def enable_compilation_cache(path: str | None = DEFAULT_COMPILATION_CACHE) -> None:
+    """Keep compiled programs on disk so a second process skips compilation (None leaves JAX's setting)."""
+    if path is None or jax.config.jax_compilation_cache_dir == path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def load(path_or_preset: str, *, mesh=None, numerics: str = "reference-bf16", kernels: str = "auto",
-         max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0) -> Model:
+         max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0,
+         compilation_cache: str | None = DEFAULT_COMPILATION_CACHE) -> Model:
     """Load a checkpoint directory (official or transformers layout, or a dsjax Orbax directory) or a preset.
 
     A preset has no released weights here: it gets random weights (seeded), fine for tiny presets and tests.
+    `compilation_cache`: directory of JAX's persistent compilation cache (default ~/.cache/dsjax/xla; None
+    leaves JAX's own setting alone).
     """
+    enable_compilation_cache(compilation_cache)
     if numerics not in NUMERICS:
         raise ConfigError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
     if kernels not in KERNELS:

@@ -41,7 +41,8 @@ def test_logits_json(capsys):
     assert result["load_s"] >= 0 and result["forward_s"] >= 0
     # the same numbers as the Python API, same seed
     model = dsjax.load("tiny-v4")
-    logits = np.asarray(model.logits([result["prompt_ids"]]))[0, -1]
+    ids_in = result["prompt_ids"]
+    logits = np.asarray(model.logits([ids_in], positions=[len(ids_in) - 1]))[0, -1]  # the CLI's compiled call
     logp = logits - np.logaddexp.reduce(logits)
     assert ids == [int(i) for i in np.argsort(-logits)[:5]]
     np.testing.assert_allclose(logprobs, logp[ids], rtol=1e-5, atol=1e-5)
@@ -102,9 +103,10 @@ def test_convert_refuses_to_overwrite(capsys, tmp_path, test_seed):
 
 @pytest.mark.parametrize("command,flags", [
     ([], ["logits", "convert", "info"]),
-    (["logits"], ["--prompt", "--model", "--numerics", "--seed", "--top", "--json", "reference-fp8", "preset"]),
-    (["convert"], ["src", "dst", "Orbax"]),
-    (["info"], ["model", "preset name", "config.json"]),
+    (["logits"], ["next tokens", "--prompt", "--model", "--numerics", "seed", "--top", "--json", "reference-fp8",
+                  "preset"]),
+    (["convert"], ["Orbax", "src", "dst"]),
+    (["info"], ["weight", "model", "preset name", "config.json"]),
 ])
 def test_help(capsys, command, flags):
     with pytest.raises(SystemExit) as e:
