@@ -104,6 +104,7 @@ class ModelConfig:
     kv_quant_sim: bool = True
     index_quant_sim: bool = True
     act_quant_sim: bool = False
+    batch_invariant: bool = False  # compute token by token: results independent of chunking (see layers/rows.py)
     # kernel selection for every op (see pallas_kernels/)
     kernels: str = "auto"
 
@@ -207,11 +208,15 @@ class ModelConfig:
 
 _NUMERIC_FIELDS: dict[str, dict[str, Any]] = {
     # what transformers computes: fp32 activations, no fake quantisation anywhere
-    "transformers": dict(compute_dtype="float32", kv_quant_sim=False, index_quant_sim=False, act_quant_sim=False),
+    # (token by token, so prefill chunks and decode steps agree bit for bit with a full forward)
+    "transformers": dict(compute_dtype="float32", kv_quant_sim=False, index_quant_sim=False, act_quant_sim=False,
+                         batch_invariant=True),
     # DeepSeek's reference with bf16 weights: KV FP8 rounding + FP4 index keys, no activation quant
-    "reference-bf16": dict(compute_dtype="bfloat16", kv_quant_sim=True, index_quant_sim=True, act_quant_sim=False),
+    "reference-bf16": dict(compute_dtype="bfloat16", kv_quant_sim=True, index_quant_sim=True, act_quant_sim=False,
+                           batch_invariant=False),
     # DeepSeek's reference as released: all fake quantisation on
-    "reference-fp8": dict(compute_dtype="bfloat16", kv_quant_sim=True, index_quant_sim=True, act_quant_sim=True),
+    "reference-fp8": dict(compute_dtype="bfloat16", kv_quant_sim=True, index_quant_sim=True, act_quant_sim=True,
+                          batch_invariant=False),
 }
 
 

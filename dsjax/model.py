@@ -16,20 +16,26 @@ from dsjax.layers.attention import attention
 from dsjax.layers.hyper_connections import hc_head, hc_post, hc_pre
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
+from dsjax.layers.rows import per_token
 from dsjax.state import DecodeState, LayerState, init_state
 from dsjax.weights import Block, Model
 
 
 def block_forward(h, token_ids, w: Block, cfg: ModelConfig, layer: int, st: LayerState, start, n_valid):
     """One block on the n hyper-connection streams h [b,t,n,D]. Returns (h, new layer state)."""
-    residual = h
-    x, post, comb = hc_pre(h, w.hc_attn, cfg)
-    x, st = attention(rms_norm(x, w.attn_norm, cfg.norm_eps), w.attn, cfg, layer, st, start, n_valid)
-    h = hc_post(x, residual, post, comb)
-    residual = h
-    x, post, comb = hc_pre(h, w.hc_ffn, cfg)
-    x = moe(rms_norm(x, w.ffn_norm, cfg.norm_eps), token_ids, w.ffn, cfg)
-    return hc_post(x, residual, post, comb), st
+    def attn_input(h):
+        x, post, comb = hc_pre(h, w.hc_attn, cfg)
+        return rms_norm(x, w.attn_norm, cfg.norm_eps), post, comb
+
+    def ffn_part(x, residual, post, comb, ids):
+        h = hc_post(x, residual, post, comb)
+        y, post, comb = hc_pre(h, w.hc_ffn, cfg)
+        y = moe(rms_norm(y, w.ffn_norm, cfg.norm_eps), ids, w.ffn, cfg)
+        return hc_post(y, h, post, comb)
+
+    x, post, comb = per_token(cfg, attn_input, h)
+    x, st = attention(x, w.attn, cfg, layer, st, start, n_valid)
+    return per_token(cfg, ffn_part, x, h, post, comb, token_ids), st
 
 
 def embed(params: Model, cfg: ModelConfig, token_ids):
@@ -53,9 +59,12 @@ def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: Deco
 
 def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):
     """hc_head -> RMSNorm -> fp32 head. h [b,s,n,D] -> [b,s,V] float32."""
-    y = rms_norm(hc_head(h, hc, cfg), norm_w, cfg.norm_eps)
-    return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+    def head(h):
+        y = rms_norm(hc_head(h, hc, cfg), norm_w, cfg.norm_eps)
+        return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+
+    return per_token(cfg, head, h)
 
 
 def forward_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState, n_valid=None):

@@ -16,7 +16,7 @@ from dsjax.layers.indexer import index_queries, index_scores, select_topk
 from dsjax.layers.linear import einsum_acc32, linear
 from dsjax.layers.norms import rms_norm, weightless_head_norm
 from dsjax.layers.rope import apply_rope, rope_angles
-from dsjax.layers.rows import take_rows
+from dsjax.layers.rows import per_token, take_rows
 from dsjax.state import LayerState
 from dsjax.weights import Attention
 from dsjax.numerics import div_exact, round_to
@@ -104,8 +104,12 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     B, T, _ = x.shape
     q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     angles = rope_angles(cfg, layer, q_pos)
-    q, qr = project_q(x, w, cfg, angles)
-    kv = project_kv(x, w, cfg, angles)
+    def projections(x, angles):
+        q, qr = project_q(x, w, cfg, angles)
+        iq = index_queries(qr, w.indexer, cfg, angles) if w.indexer is not None else None
+        return q, project_kv(x, w, cfg, angles), iq
+
+    q, kv, iq = per_token(cfg, projections, x, angles)
     keys, valid = window_keys(st.window, kv, start, cfg.window_size)
     ratio = cfg.layer_ratio(layer)
     comp, index = st.compressor, st.index
@@ -114,15 +118,18 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
         visible = compressed_visible(q_pos, comp.entries.shape[1], ratio)          # [B,T,N]
         if w.indexer is not None:
             index = compress_chunk(x, w.indexer.compressor, index, cfg, layer, ratio, start, n_valid, index_keys=True)
-            iq = index_queries(qr, w.indexer, cfg, angles)
-            chosen, chosen_ok = select_topk(index_scores(x, iq, index.entries, w.indexer, cfg), visible, cfg.index_topk)
+            scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index.entries, w.indexer, cfg), x, iq)
+            chosen, chosen_ok = select_topk(scores, visible, cfg.index_topk)
             c_keys, c_valid = take_rows(comp.entries, chosen), chosen_ok
         else:
             c_keys = jnp.broadcast_to(comp.entries[:, None], (B, T) + comp.entries.shape[1:])
             c_valid = visible
         keys = jnp.concatenate([keys, c_keys.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, c_valid], axis=2)
-    o = sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5)
-    o = apply_rope(o, angles[:, :, None, :], inverse=True)
+    def attend(q, keys, valid, angles):
+        o = sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5)
+        return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
+
+    out = per_token(cfg, attend, q, keys, valid, angles)
     new_state = LayerState(window=update_ring(st.window, kv, start, n_valid), compressor=comp, index=index)
-    return output_projection(o, w, cfg), new_state
+    return out, new_state

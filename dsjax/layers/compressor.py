@@ -12,7 +12,7 @@ from dsjax import quant
 from dsjax.config import ModelConfig
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_angles
-from dsjax.layers.rows import take_rows
+from dsjax.layers.rows import per_token, take_rows
 from dsjax.state import CompressorState
 from dsjax.weights import Compressor
 from dsjax.numerics import materialize, round_to, softmax_exact
@@ -46,8 +46,12 @@ def compress_chunk(x, w: Compressor, st: CompressorState, cfg: ModelConfig, laye
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     pos = start[:, None] + jnp.arange(T)[None, :]                                   # [B,T]
-    kv = jnp.einsum("bsi,oi->bso", xf, w.wkv.astype(jnp.float32), precision=hp)
-    score = jnp.einsum("bsi,oi->bso", xf, w.wgate.astype(jnp.float32), precision=hp) + w.ape[pos % ratio]
+    def project(xf):
+        return (jnp.einsum("bsi,oi->bso", xf, w.wkv.astype(jnp.float32), precision=hp),
+                jnp.einsum("bsi,oi->bso", xf, w.wgate.astype(jnp.float32), precision=hp))
+
+    kv, score = per_token(cfg, project, xf)
+    score = score + w.ape[pos % ratio]
     # the chunk preceded by the buffered positions start-R .. start-1 (slot p % R; nothing before position 0)
     buf_pos = start[:, None] - R + jnp.arange(R)[None, :]
     buf_kv = take_rows(st.kv, buf_pos % R)
@@ -71,8 +75,11 @@ def compress_chunk(x, w: Compressor, st: CompressorState, cfg: ModelConfig, laye
         p_sc = take_rows(ext_sc, ext_index(prev).clip(0, R + T - 1))[..., :d]
         g_kv = jnp.concatenate([p_kv, g_kv[..., d:]], axis=2)
         g_sc = jnp.concatenate([p_sc, g_sc[..., d:]], axis=2)
-    pooled = jnp.sum(materialize(g_kv * softmax_exact(g_sc, axis=2)), axis=2)     # [B,M,d]
-    new = finish_entries(pooled, j * ratio, w, cfg, layer, index_keys=index_keys, dtype=st.entries.dtype)
+    def pool(g_kv, g_sc, first):
+        pooled = jnp.sum(materialize(g_kv * softmax_exact(g_sc, axis=2)), axis=2)
+        return finish_entries(pooled, first, w, cfg, layer, index_keys=index_keys, dtype=st.entries.dtype)
+
+    new = per_token(cfg, pool, g_kv, g_sc, j * ratio)                                 # [B,M,d]
     n_max = st.entries.shape[1]
     rows = jnp.where(done & (j < n_max), j, n_max)  # out of range -> dropped
     entries = jax.vmap(lambda e, r, v: e.at[r].set(v, mode="drop"))(st.entries, rows, new)
