@@ -22,9 +22,9 @@ from dsjax.weights import nbytes
 _RANDOM_INIT_LIMIT = 4 << 30
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "positions"))
-def _logits(params, token_ids, *, cfg: ModelConfig, positions: tuple[int, ...] | None):
-    return forward(params, cfg, token_ids, positions)
+@functools.partial(jax.jit, static_argnames=("cfg", "positions", "max_seq"))
+def _logits(params, token_ids, *, cfg: ModelConfig, positions: tuple[int, ...] | None, max_seq: int):
+    return forward(params, cfg, token_ids, positions, max_seq)
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ class Model:
             pos = tuple(int(p) for p in positions)
             if any(p < 0 or p >= ids.shape[1] for p in pos):
                 raise InputError(f"positions must lie in [0, {ids.shape[1]}), got {list(pos)}")
-        return _logits(self.params, jnp.asarray(ids), cfg=self.cfg, positions=pos)
+        return _logits(self.params, jnp.asarray(ids), cfg=self.cfg, positions=pos, max_seq=self.max_seq_len)
 
 
 def _sizes(cfg: ModelConfig, max_seq_len: int | None, max_batch: int | None) -> dict:

@@ -73,10 +73,13 @@ def forward_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState
     return head_logits(h, params, cfg, params.hc_head, params.norm), state
 
 
-def forward(params: Model, cfg: ModelConfig, token_ids, positions=None):
-    """Full-sequence logits float32 [b, s, V] (or [b, len(positions), V] for static `positions`)."""
+def forward(params: Model, cfg: ModelConfig, token_ids, positions=None, max_seq: int | None = None):
+    """Full-sequence logits float32 [b, s, V] (or [b, len(positions), V] for static `positions`).
+
+    `max_seq` sizes the caches as generation does (default: s); results then match generation's exactly.
+    """
     b, s = token_ids.shape
-    h, _ = forward_hidden_chunk(params, cfg, token_ids, init_state(cfg, b, s))
+    h, _ = forward_hidden_chunk(params, cfg, token_ids, init_state(cfg, b, max(s, max_seq or s)))
     if positions is not None:
         h = h[:, jnp.asarray(positions)]
     return head_logits(h, params, cfg, params.hc_head, params.norm)
