@@ -21,6 +21,7 @@ class Speedometer:
     def update(self, n_new: int) -> None:
         if n_new and self.first is None:
             self.first = time.perf_counter()
+            self.first_unix = time.time()
         self.n += n_new
         if self.live and self.first is not None:
             dt = max(time.perf_counter() - self.first, 1e-9)
@@ -31,7 +32,8 @@ class Speedometer:
         end = time.perf_counter()
         ttft = (self.first or end) - self.t0
         rate = (self.n - 1) / (end - self.first) if self.first and self.n > 1 and end > self.first else 0.0
-        return {"tokens": self.n, "tokens_per_s": rate, "ttft_s": ttft, "total_s": end - self.t0}
+        return {"tokens": self.n, "tokens_per_s": rate, "ttft_s": ttft, "total_s": end - self.t0,
+                "first_token_unix_s": getattr(self, "first_unix", None)}
 
     def close(self) -> dict:
         s = self.summary()
@@ -84,7 +86,8 @@ def cmd_generate(args) -> int:
 
     if not args.prompt:
         raise InputError("--prompt is empty")
-    model = dsjax.load(args.model, numerics=args.numerics, seed=args.weights_seed, max_seq_len=args.max_seq_len)
+    model = dsjax.load(args.model, numerics=args.numerics, seed=args.weights_seed, max_seq_len=args.max_seq_len,
+                       compilation_cache=args.compilation_cache)
     family = "v4.1" if model.cfg.family == "v4.1" else "v4"
     tok = load_tokenizer(family)
     if "random weights" in model.source and not args.json:
@@ -102,7 +105,8 @@ def cmd_chat(args) -> int:
     from dsjax.chat import parse_output
     from dsjax.tokenizer import load_tokenizer
 
-    model = dsjax.load(args.model, numerics=args.numerics, seed=args.weights_seed, max_seq_len=args.max_seq_len)
+    model = dsjax.load(args.model, numerics=args.numerics, seed=args.weights_seed, max_seq_len=args.max_seq_len,
+                       compilation_cache=args.compilation_cache)
     family = "v4.1" if model.cfg.family == "v4.1" else "v4"
     tok = load_tokenizer(family)
     thinking = args.thinking
@@ -148,3 +152,7 @@ def add_generation_args(p) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="cache length per sequence (default min(4096, model))")
     p.add_argument("--show-special", action="store_true", help="print special tokens such as </think> in the text")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    from dsjax.api import DEFAULT_COMPILATION_CACHE
+
+    p.add_argument("--compilation-cache", default=DEFAULT_COMPILATION_CACHE,
+                   help=f"JAX persistent compilation cache directory (default {DEFAULT_COMPILATION_CACHE})")
