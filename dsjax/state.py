@@ -40,24 +40,34 @@ class DecodeState:
     layers: tuple       # LayerState per backbone layer
 
 
-def _compressor_state(batch: int, max_seq: int, ratio: int, d: int, dtype) -> CompressorState:
+def _compressor_state(batch: int, max_seq: int, ratio: int, d: int, row: tuple) -> CompressorState:
     c = 2 if ratio == 4 else 1
     return CompressorState(
         kv=jnp.zeros((batch, c * ratio, c * d), jnp.float32),
         score=jnp.full((batch, c * ratio, c * d), -jnp.inf, jnp.float32),
-        entries=jnp.zeros((batch, max_seq // ratio, d), dtype),
+        entries=jnp.zeros((batch, max_seq // ratio, row[0]), row[1]),
     )
 
 
+def _rows(cfg: ModelConfig, d: int, compact: bool, row_bytes: int):
+    """(width, dtype) of one cache row: compact uint8 rows (kv_rows.py) or plain values."""
+    return (row_bytes, jnp.uint8) if compact else (d, jnp.dtype(cfg.compute_dtype))
+
+
 def init_state(cfg: ModelConfig, batch: int, max_seq: int) -> DecodeState:
-    """Empty caches for `batch` rows of up to `max_seq` tokens, in the compute dtype."""
-    dt = jnp.dtype(cfg.compute_dtype)
+    """Empty caches for `batch` rows of up to `max_seq` tokens: compute-dtype values, or the compact rows of
+    kv_rows.py (584-byte main KV, 68-byte index keys) for the V4 reference presets."""
+    from dsjax import kv_rows
+
+    main = _rows(cfg, cfg.head_dim, kv_rows.main_rows_compact(cfg), kv_rows.main_row_bytes(cfg))
+    idx = _rows(cfg, cfg.index_head_dim, kv_rows.index_rows_compact(cfg), kv_rows.index_row_bytes(cfg))
     layers = []
     for layer in range(cfg.n_layers):
         ratio = cfg.layer_ratio(layer)
-        comp = _compressor_state(batch, max_seq, ratio, cfg.head_dim, dt) if ratio else None
-        index = _compressor_state(batch, max_seq, ratio, cfg.index_head_dim, dt) if cfg.layer_kind(layer) == "csa" else None
-        layers.append(LayerState(window=jnp.zeros((batch, cfg.window_size, cfg.head_dim), dt), compressor=comp, index=index))
+        comp = _compressor_state(batch, max_seq, ratio, cfg.head_dim, main) if ratio else None
+        index = _compressor_state(batch, max_seq, ratio, cfg.index_head_dim, idx) if cfg.layer_kind(layer) == "csa" else None
+        window = jnp.zeros((batch, cfg.window_size, main[0]), main[1])
+        layers.append(LayerState(window=window, compressor=comp, index=index))
     return DecodeState(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers))
 
 

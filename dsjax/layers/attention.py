@@ -9,7 +9,7 @@ layer state and the chunk, so results do not depend on how a sequence was split 
 import jax
 import jax.numpy as jnp
 
-from dsjax import quant
+from dsjax import kv_rows, quant
 from dsjax.config import ModelConfig
 from dsjax.layers.compressor import compress_chunk
 from dsjax.layers.indexer import index_queries, index_scores, select_topk
@@ -110,7 +110,9 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
         return q, project_kv(x, w, cfg, angles), iq
 
     q, kv, iq = per_token(cfg, projections, x, angles)
-    keys, valid = window_keys(st.window, kv, start, cfg.window_size)
+    kv_stored = kv_rows.store_main(kv, cfg)
+    keys, valid = window_keys(st.window, kv_stored, start, cfg.window_size)
+    keys = kv_rows.load_main(keys, cfg)
     ratio = cfg.layer_ratio(layer)
     comp, index = st.compressor, st.index
     if ratio:
@@ -118,11 +120,13 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
         visible = compressed_visible(q_pos, comp.entries.shape[1], ratio)          # [B,T,N]
         if w.indexer is not None:
             index = compress_chunk(x, w.indexer.compressor, index, cfg, layer, ratio, start, n_valid, index_keys=True)
-            scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index.entries, w.indexer, cfg), x, iq)
+            index_keys = kv_rows.load_index(index.entries, cfg)
+            scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index_keys, w.indexer, cfg), x, iq)
             chosen, chosen_ok = select_topk(scores, visible, cfg.index_topk)
-            c_keys, c_valid = take_rows(comp.entries, chosen), chosen_ok
+            c_keys, c_valid = kv_rows.load_main(take_rows(comp.entries, chosen), cfg), chosen_ok
         else:
-            c_keys = jnp.broadcast_to(comp.entries[:, None], (B, T) + comp.entries.shape[1:])
+            entries = kv_rows.load_main(comp.entries, cfg)
+            c_keys = jnp.broadcast_to(entries[:, None], (B, T) + entries.shape[1:])
             c_valid = visible
         keys = jnp.concatenate([keys, c_keys.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, c_valid], axis=2)
@@ -131,5 +135,5 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
 
     out = per_token(cfg, attend, q, keys, valid, angles)
-    new_state = LayerState(window=update_ring(st.window, kv, start, n_valid), compressor=comp, index=index)
+    new_state = LayerState(window=update_ring(st.window, kv_stored, start, n_valid), compressor=comp, index=index)
     return out, new_state

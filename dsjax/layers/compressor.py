@@ -8,7 +8,7 @@ fake-quantised like the cache it lives in: FP8 on the non-rope dims for main KV,
 import jax
 import jax.numpy as jnp
 
-from dsjax import quant
+from dsjax import kv_rows, quant
 from dsjax.config import ModelConfig
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_angles
@@ -42,7 +42,7 @@ def compress_chunk(x, w: Compressor, st: CompressorState, cfg: ModelConfig, laye
     B, T, _ = x.shape
     overlap = ratio == 4
     R = st.kv.shape[1]
-    d = st.entries.shape[-1]
+    d = st.kv.shape[-1] // (2 if overlap else 1)
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     pos = start[:, None] + jnp.arange(T)[None, :]                                   # [B,T]
@@ -75,11 +75,13 @@ def compress_chunk(x, w: Compressor, st: CompressorState, cfg: ModelConfig, laye
         p_sc = take_rows(ext_sc, ext_index(prev).clip(0, R + T - 1))[..., :d]
         g_kv = jnp.concatenate([p_kv, g_kv[..., d:]], axis=2)
         g_sc = jnp.concatenate([p_sc, g_sc[..., d:]], axis=2)
+
     def pool(g_kv, g_sc, first):
         pooled = jnp.sum(materialize(g_kv * softmax_exact(g_sc, axis=2)), axis=2)
-        return finish_entries(pooled, first, w, cfg, layer, index_keys=index_keys, dtype=st.entries.dtype)
+        return finish_entries(pooled, first, w, cfg, layer, index_keys=index_keys, dtype=jnp.dtype(cfg.compute_dtype))
 
     new = per_token(cfg, pool, g_kv, g_sc, j * ratio)                                 # [B,M,d]
+    new = kv_rows.store_index(new, cfg) if index_keys else kv_rows.store_main(new, cfg)
     n_max = st.entries.shape[1]
     rows = jnp.where(done & (j < n_max), j, n_max)  # out of range -> dropped
     entries = jax.vmap(lambda e, r, v: e.at[r].set(v, mode="drop"))(st.entries, rows, new)
