@@ -82,7 +82,11 @@ def _convert(name: str, a: np.ndarray, info: ArrayInfo) -> np.ndarray:
 
 def _wo_a_dequantised(name: str, files, cfg: ModelConfig, info: ArrayInfo) -> np.ndarray:
     """The official checkpoint stores attn.wo_a in FP8; like convert.py we keep it dequantised in bf16."""
+    if name not in files:
+        raise CheckpointError(f"{name}: missing from the checkpoint (expected shape {info.shape}, FP8 or BF16)")
     sf = files[name]
+    if tuple(sf.shape(name)) != tuple(info.shape):
+        raise CheckpointError(f"{name}: expected shape {info.shape}, found {tuple(sf.shape(name))} in {sf.path}")
     w = sf.get(name)
     if sf.dtype_name(name) == "BF16":
         return w
@@ -131,10 +135,11 @@ def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, Array
     def load(path, info: ArrayInfo):
         name = official_name(path)
         if name.endswith("attn.wo_a.weight"):
-            _check(name, files, ArrayInfo(info.shape, files[name].dtype_name(name) == "BF16" and jnp.bfloat16 or jnp.float8_e4m3fn, info.axes)
-                   if name in files else info, info.shape)
-            used.update({name, name[:-6] + "scale"})
-            return put(_wo_a_dequantised(name, files, cfg, info), info)
+            used.update({name, name[: -len("weight")] + "scale"})
+            out = put(_wo_a_dequantised(name, files, cfg, info), info)
+            if progress:
+                progress(2 if name[: -len("weight")] + "scale" in files else 1)
+            return out
         if "{e}" not in name:
             _check(name, files, info, info.shape)
             used.add(name)
@@ -166,11 +171,9 @@ def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, Array
     return out
 
 
-def detect_layout(path: str) -> str:
-    """'official' (inference-style names) or 'transformers' (save_pretrained names)."""
-    files = safetensors_io.open_dir(path)
-    names = list(files)
-    if any(n.startswith("model.") or n.startswith("lm_head.") for n in names):
+def detect_layout(files: dict) -> str:
+    """'official' (inference-style names) or 'transformers' (save_pretrained names), from the tensor names."""
+    if any(n.startswith("model.") or n.startswith("lm_head.") for n in files):
         return "transformers"
     return "official"
 
@@ -178,7 +181,7 @@ def detect_layout(path: str) -> str:
 def checkpoint_config(path: str, cfg: ModelConfig | None = None) -> ModelConfig:
     """The config a checkpoint directory holds weights for: transformers' layout carries no MTP head."""
     cfg = cfg or load_config(path)
-    if detect_layout(path) == "transformers" and cfg.n_mtp_layers:
+    if detect_layout(safetensors_io.open_dir(path)) == "transformers" and cfg.n_mtp_layers:
         cfg = cfg.replace(n_mtp_layers=0, compress_ratios=cfg.compress_ratios[: cfg.n_layers])
     return cfg
 
@@ -187,8 +190,15 @@ def load_params(path: str, cfg: ModelConfig | None = None, **kw):
     """Read a checkpoint directory (official or transformers layout) into the weight tree of `cfg`."""
     cfg = checkpoint_config(path, cfg)
     files = safetensors_io.open_dir(path)
-    if detect_layout(path) == "transformers":
+    if detect_layout(files) == "transformers":
         files = _official_view_of_transformers(files, cfg)
+    if "progress" not in kw:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(files), desc=f"loading {os.path.basename(os.path.abspath(path))}", unit="tensor",
+                   disable=len(files) < 1000, leave=False)
+        with bar:
+            return read_tree(files, cfg, progress=bar.update, **kw)
     return read_tree(files, cfg, **kw)
 
 
