@@ -54,7 +54,7 @@ def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: Deco
     for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
         h, st = block_forward(h, token_ids, w, cfg, layer, st, start, n_valid)
         layers.append(st)
-    return h, DecodeState(lengths=start + n_valid, layers=tuple(layers))
+    return h, DecodeState(lengths=start + n_valid, layers=tuple(layers), mtp=state.mtp)
 
 
 def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):

@@ -38,6 +38,7 @@ class LayerState:
 class DecodeState:
     lengths: jax.Array  # int32 [B]: tokens already in the caches (the next token's position)
     layers: tuple       # LayerState per backbone layer
+    mtp: tuple = ()     # LayerState per MTP block (its own window ring), when drafting with MTP
 
 
 def _compressor_state(batch: int, max_seq: int, ratio: int, d: int, row: tuple) -> CompressorState:
@@ -54,7 +55,7 @@ def _rows(cfg: ModelConfig, d: int, compact: bool, row_bytes: int):
     return (row_bytes, jnp.uint8) if compact else (d, jnp.dtype(cfg.compute_dtype))
 
 
-def init_state(cfg: ModelConfig, batch: int, max_seq: int) -> DecodeState:
+def init_state(cfg: ModelConfig, batch: int, max_seq: int, *, with_mtp: bool = False) -> DecodeState:
     """Empty caches for `batch` rows of up to `max_seq` tokens: compute-dtype values, or the compact rows of
     kv_rows.py (584-byte main KV, 68-byte index keys) for the V4 reference presets."""
     from dsjax import kv_rows
@@ -68,7 +69,9 @@ def init_state(cfg: ModelConfig, batch: int, max_seq: int) -> DecodeState:
         index = _compressor_state(batch, max_seq, ratio, cfg.index_head_dim, idx) if cfg.layer_kind(layer) == "csa" else None
         window = jnp.zeros((batch, cfg.window_size, main[0]), main[1])
         layers.append(LayerState(window=window, compressor=comp, index=index))
-    return DecodeState(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers))
+    mtp = tuple(LayerState(window=jnp.zeros((batch, cfg.window_size, main[0]), main[1]), compressor=None, index=None)
+                for _ in range(cfg.n_mtp_layers if with_mtp else 0))
+    return DecodeState(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers), mtp=mtp)
 
 
 def state_bytes(cfg: ModelConfig, batch: int, max_seq: int) -> int:

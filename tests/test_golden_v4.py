@@ -114,3 +114,41 @@ def test_decode_logits_by_full_forward(case_name, variant, prompt):
     # prefill positions of the same prompt already reaches the row noise): median within 1.5x, worst within 4x.
     assert np.median(diff) <= 1.5 * max(noise)
     assert diff.max() <= 4 * max(noise)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _mtp_logits_full(params, ids, nxt, *, cfg):
+    from dsjax.model import forward_hidden_chunk
+    from dsjax.mtp import mtp_hidden, mtp_logits
+
+    b, s = ids.shape
+    st = init_state(cfg, b, s, with_mtp=True)
+    h, st = forward_hidden_chunk(params, cfg, ids, st)
+    z, _ = mtp_hidden(params, cfg, h, nxt, st.mtp[0], jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32))
+    return mtp_logits(params, cfg, z)
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+@pytest.mark.parametrize("prompt", ["short", "long"])
+@pytest.mark.parametrize("case_name", [c.name for c in CASES])
+def test_mtp_logits(case_name, variant, prompt):
+    """The MTP head over the prompt (h_i + token i+1 -> token i+2) and at the 8 decode positions."""
+    case, model = load_case(case_name, variant)
+    gold = case.golden(variant)
+    prompt_ids = case.inputs()[f"{prompt}_tokens"].astype(np.int32)
+    toks = gold[f"{prompt}/decode_tokens"].astype(np.int32)
+    n, steps = prompt_ids.shape[1], gold[f"{prompt}/decode_logits"].shape[0]
+    ids = np.concatenate([prompt_ids, toks[:, :steps]], axis=1)
+    nxt = np.concatenate([ids[:, 1:], toks[:, steps:steps + 1]], axis=1)
+    ours = np.asarray(_mtp_logits_full(model.params, jnp.asarray(ids), jnp.asarray(nxt), cfg=model.cfg))
+    pos = gold[f"{prompt}/prefill_positions"]
+    ref = np.concatenate([gold[f"{prompt}/mtp_prefill_logits"], np.moveaxis(gold[f"{prompt}/mtp_logits"][1:], 0, 1)], 1)
+    got = np.concatenate([ours[:, pos], ours[:, n:n + steps]], axis=1)
+    per_position = np.abs(got - ref).max(axis=-1).ravel()
+    row_noise = case.noise(variant)["prefill_rows_run_one_at_a_time_vs_batched"][prompt]["max_abs"]
+    agree = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
+    print(f"{case_name}/{variant}/{prompt} MTP: max|Δ| {per_position.max():.4f}, median per-position "
+          f"{np.median(per_position):.4f} (row noise {row_noise:.4f}), argmax agreement {agree:.1%}")
+    assert np.median(per_position) <= row_noise
+    assert per_position.max() <= 4 * row_noise
+    assert agree >= 0.8
