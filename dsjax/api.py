@@ -52,10 +52,8 @@ class Model:
         return ids.astype(np.int32)
 
     def _options(self, max_new_tokens, **kw) -> GenerateOptions:
-        speculative = kw.pop("speculative", None)
-        kw.pop("num_draft_tokens", None)
-        if speculative is not None:
-            raise InputError(f"speculative={speculative!r} is not available yet; use speculative=None")
+        if kw.get("num_draft_tokens") is None:
+            kw.pop("num_draft_tokens", None)
         stops = kw.pop("stop_token_ids", None)
         stops = (self.cfg.eos_token_id,) if stops is None else tuple(int(t) for t in stops)
         return GenerateOptions(max_new_tokens=max_new_tokens, stop_token_ids=stops, **kw)

@@ -18,7 +18,9 @@ import numpy as np
 from dsjax.config import ModelConfig
 from dsjax.decode import LoopCarry, decode_steps, finish_flags, record
 from dsjax.errors import InputError
-from dsjax.model import forward_chunk
+from dsjax.model import forward_hidden_chunk, head_logits
+from dsjax.mtp import mtp_hidden
+from dsjax.speculative import Forced, SpecCarry, spec_steps
 from dsjax.sampling import SamplingParams, make_sampling, sample
 from dsjax.state import init_state
 
@@ -43,6 +45,10 @@ class GenerateOptions:
     logprobs: int = 0
     steps_per_dispatch: int = 32
     prefill_chunk: int = 256
+    speculative: str | None = None      # None | "mtp"
+    num_draft_tokens: int = 2
+    forced_acceptance: tuple[int, ...] | None = None  # benchmarks only: accepted drafts per step, "simulated"
+    oracle_drafts: object = None        # tests only: speculative.OracleDrafts replacing the MTP's drafts
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -52,9 +58,15 @@ def _bucket(n: int, lo: int = 16) -> int:
     return b
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def _prefill_chunk(params, tokens, state, n_valid, *, cfg: ModelConfig):
-    return forward_chunk(params, cfg, tokens, state, n_valid)
+@functools.partial(jax.jit, static_argnames=("cfg", "mtp"), donate_argnames=("state",))
+def _prefill_chunk(params, tokens, next_tokens, state, n_valid, n_mtp, *, cfg: ModelConfig, mtp: bool):
+    """One prompt chunk; with `mtp`, the MTP block also consumes the chunk's positions whose next token is known."""
+    start = state.lengths
+    h, state = forward_hidden_chunk(params, cfg, tokens, state, n_valid)
+    if mtp:
+        _, ring = mtp_hidden(params, cfg, h, next_tokens, state.mtp[0], start, n_mtp)
+        state = dataclasses.replace(state, mtp=(ring,))
+    return head_logits(h, params, cfg, params.hc_head, params.norm), h, state
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "K", "max_seq"), donate_argnames=("carry",))
@@ -87,6 +99,14 @@ def validate(cfg: ModelConfig, prompts, opts: GenerateOptions, max_seq: int, max
         raise InputError(f"max_new_tokens must be a positive int, got {opts.max_new_tokens!r}")
     if opts.logprobs < 0 or opts.logprobs > 20:
         raise InputError(f"logprobs must lie in [0, 20], got {opts.logprobs}")
+    if opts.speculative not in (None, "mtp"):
+        raise InputError(f"speculative={opts.speculative!r}: choose None or 'mtp' ('dspark' arrives with V4.1-Flash)")
+    if opts.speculative and not cfg.n_mtp_layers:
+        raise InputError(f"speculative='mtp' needs an MTP head; {cfg.name} has none (n_mtp_layers=0)")
+    if opts.speculative and not 1 <= opts.num_draft_tokens <= 8:
+        raise InputError(f"num_draft_tokens must lie in [1, 8], got {opts.num_draft_tokens}")
+    if opts.speculative and opts.logprobs:
+        raise InputError("logprobs with speculative decoding: only the chosen token's logprob is reported; use logprobs=0")
     for t in opts.stop_token_ids:
         if not 0 <= int(t) < cfg.vocab_size:
             raise InputError(f"stop token id {t} is out of range [0, {cfg.vocab_size})")
@@ -111,19 +131,28 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     lengths = np.array([len(r) for r in rows] + [1] * pad)
     t0 = time.perf_counter()
     # prefill: fixed-size chunks, every row at its own length
+    spec = opts.speculative == "mtp"
     C = min(opts.prefill_chunk, _bucket(int(lengths.max())))
-    state = init_state(cfg, slots, max_seq)
+    state = init_state(cfg, slots, max_seq, with_mtp=spec)
     last_logits = jnp.zeros((slots, cfg.vocab_size), jnp.float32)
+    last_h = None
     for start in range(0, int(lengths.max()), C):
         chunk = np.zeros((slots, C), np.int32)
+        nxt = np.zeros((slots, C), np.int32)
         for b, r in enumerate(rows):
-            part = r[start:start + C]
+            part, after = r[start:start + C], r[start + 1:start + C + 1]
             chunk[b, :len(part)] = part
+            nxt[b, :len(after)] = after
         n_valid = np.clip(lengths - start, 0, C).astype(np.int32)
-        logits, state = _prefill_chunk(params, jnp.asarray(chunk), state, jnp.asarray(n_valid), cfg=cfg)
-        last = np.clip(lengths - 1 - start, 0, C - 1)
-        here = (lengths - 1 >= start) & (lengths - 1 < start + C)
-        last_logits = jnp.where(jnp.asarray(here)[:, None], logits[jnp.arange(slots), jnp.asarray(last)], last_logits)
+        n_mtp = np.clip(lengths - 1 - start, 0, C).astype(np.int32)
+        logits, h, state = _prefill_chunk(params, jnp.asarray(chunk), jnp.asarray(nxt), state, jnp.asarray(n_valid),
+                                          jnp.asarray(n_mtp), cfg=cfg, mtp=spec)
+        last = jnp.asarray(np.clip(lengths - 1 - start, 0, C - 1))
+        here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + C))
+        last_logits = jnp.where(here[:, None], logits[jnp.arange(slots), last], last_logits)
+        if spec:
+            hl = h[jnp.arange(slots), last]
+            last_h = hl if last_h is None else jnp.where(here[:, None, None], hl, last_h)
     carry = LoopCarry(
         state=state, last=jnp.zeros((slots,), jnp.int32), tokens=jnp.zeros((slots, N), jnp.int32),
         logprob=jnp.zeros((slots, N), jnp.float32), top_ids=jnp.zeros((slots, N, K), jnp.int32),
@@ -143,9 +172,24 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     new, done = emit(carry)
     yield new, done, {"ttft_s": ttft, "decode_s": 0.0, "steps": 0, "carry": carry}
     t1 = time.perf_counter()
+    if spec:
+        k = opts.num_draft_tokens
+        K1 = k + 1
+        pend_h = jnp.zeros((slots, K1) + last_h.shape[1:], last_h.dtype).at[:, 0].set(last_h)
+        pend_tok = jnp.zeros((slots, K1), jnp.int32).at[:, 0].set(carry.tokens[:, 0])
+        carry = SpecCarry(state=carry.state, last=carry.last, pend_h=pend_h, pend_tok=pend_tok,
+                          pend_n=jnp.ones((slots,), jnp.int32), tokens=carry.tokens, logprob=carry.logprob,
+                          count=carry.count, done=carry.done | (carry.state.lengths + K1 > max_seq),
+                          steps=carry.steps, drafted=jnp.zeros((slots,), jnp.int32),
+                          accepted=jnp.zeros((slots,), jnp.int32), accepted_at=jnp.zeros((slots, k), jnp.int32))
+        forced = None if opts.forced_acceptance is None else Forced(jnp.asarray(opts.forced_acceptance, jnp.int32))
     while not all(done):
-        carry = decode_steps(params, carry, sp, stop_ids, max_new, cfg=cfg, max_steps=opts.steps_per_dispatch,
-                             K=K, max_seq=max_seq)
+        if spec:
+            carry = spec_steps(params, carry, sp, stop_ids, max_new, forced, opts.oracle_drafts, cfg=cfg, k=k,
+                               max_steps=opts.steps_per_dispatch, max_seq=max_seq)
+        else:
+            carry = decode_steps(params, carry, sp, stop_ids, max_new, cfg=cfg, max_steps=opts.steps_per_dispatch,
+                                 K=K, max_seq=max_seq)
         new, done = emit(carry)
         yield new, done, {"ttft_s": ttft, "decode_s": time.perf_counter() - t1, "steps": int(carry.steps),
                           "carry": carry}
@@ -162,7 +206,11 @@ def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_se
         carry = stats["carry"]
     gens = []
     stop = set(int(t) for t in opts.stop_token_ids)
-    lp, top_ids, top_lp = jax.device_get((carry.logprob, carry.top_ids, carry.top_lp))
+    lp = jax.device_get(carry.logprob)
+    top_ids, top_lp = (jax.device_get((carry.top_ids, carry.top_lp)) if isinstance(carry, LoopCarry) else (None, None))
+    spec_stats = None
+    if isinstance(carry, SpecCarry):
+        spec_stats = jax.device_get((carry.drafted, carry.accepted, carry.accepted_at))
     for b in range(B):
         toks = out[b]
         reason = "stop" if toks and toks[-1] in stop else "length"
@@ -171,7 +219,17 @@ def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_se
             logprobs = [{"logprob": float(lp[b, i]),
                          "top": [(int(top_ids[b, i, j]), float(top_lp[b, i, j])) for j in range(opts.logprobs)]}
                         for i in range(len(toks))]
-        gens.append(Generation(tokens=toks, finish_reason=reason, logprobs=logprobs, stats={
-            "steps": stats.get("steps", 0), "drafted": 0, "accepted": 0, "acceptance_length": 1.0,
-            "ttft_s": stats.get("ttft_s", 0.0), "decode_s": stats.get("decode_s", 0.0)}))
+        if logprobs is None and spec_stats is not None:
+            logprobs = None
+        st = {"steps": stats.get("steps", 0), "drafted": 0, "accepted": 0, "acceptance_length": 1.0,
+              "ttft_s": stats.get("ttft_s", 0.0), "decode_s": stats.get("decode_s", 0.0)}
+        if spec_stats is not None:
+            drafted, accepted, at = (int(spec_stats[0][b]), int(spec_stats[1][b]), spec_stats[2][b])
+            k = opts.num_draft_tokens
+            row_steps = drafted // k if k else 0
+            st.update(drafted=drafted, accepted=accepted, row_steps=row_steps,
+                      acceptance_length=(len(toks) - 1) / row_steps if row_steps else 1.0,
+                      acceptance_per_position=[int(x) / row_steps if row_steps else 0.0 for x in at],
+                      simulated=opts.forced_acceptance is not None)
+        gens.append(Generation(tokens=toks, finish_reason=reason, logprobs=logprobs, stats=st))
     return gens

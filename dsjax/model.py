@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
-from dsjax.layers.attention import attention
+from dsjax.layers.attention import attention, commit_layer
 from dsjax.layers.hyper_connections import hc_head, hc_post, hc_pre
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
@@ -21,8 +21,10 @@ from dsjax.state import DecodeState, LayerState, init_state
 from dsjax.weights import Block, Model
 
 
-def block_forward(h, token_ids, w: Block, cfg: ModelConfig, layer: int, st: LayerState, start, n_valid):
-    """One block on the n hyper-connection streams h [b,t,n,D]. Returns (h, new layer state)."""
+def block_forward(h, token_ids, w: Block, cfg: ModelConfig, layer: int, st: LayerState, start, n_valid,
+                  *, with_pending: bool = False):
+    """One block on the n hyper-connection streams h [b,t,n,D]. Returns (h, new layer state) — and the
+    attention's pending inputs (see `commit_layer`) when `with_pending`."""
     def attn_input(h):
         x, post, comb = hc_pre(h, w.hc_attn, cfg)
         return rms_norm(x, w.attn_norm, cfg.norm_eps), post, comb
@@ -34,8 +36,9 @@ def block_forward(h, token_ids, w: Block, cfg: ModelConfig, layer: int, st: Laye
         return hc_post(y, h, post, comb)
 
     x, post, comb = per_token(cfg, attn_input, h)
-    x, st = attention(x, w.attn, cfg, layer, st, start, n_valid)
-    return per_token(cfg, ffn_part, x, h, post, comb, token_ids), st
+    x, st, pending = attention(x, w.attn, cfg, layer, st, start, n_valid)
+    out = per_token(cfg, ffn_part, x, h, post, comb, token_ids)
+    return (out, st, pending) if with_pending else (out, st)
 
 
 def embed(params: Model, cfg: ModelConfig, token_ids):
@@ -44,17 +47,29 @@ def embed(params: Model, cfg: ModelConfig, token_ids):
     return jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
 
 
-def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState, n_valid=None):
-    """token_ids [B,T] at positions state.lengths[b]+t -> (streams [B,T,n,D] before hc_head, new state)."""
+def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState, n_valid=None,
+                         *, with_pending: bool = False):
+    """token_ids [B,T] at positions state.lengths[b]+t -> (streams [B,T,n,D] before hc_head, new state), plus
+    every layer's pending inputs when `with_pending` (to commit a shorter prefix with `commit_chunk`)."""
     B, T = token_ids.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths
     h = embed(params, cfg, token_ids)
-    layers = []
+    layers, pendings = [], []
     for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
-        h, st = block_forward(h, token_ids, w, cfg, layer, st, start, n_valid)
+        h, st, pending = block_forward(h, token_ids, w, cfg, layer, st, start, n_valid, with_pending=True)
         layers.append(st)
-    return h, DecodeState(lengths=start + n_valid, layers=tuple(layers), mtp=state.mtp)
+        pendings.append(pending)
+    new = DecodeState(lengths=start + n_valid, layers=tuple(layers), mtp=state.mtp)
+    return (h, new, tuple(pendings)) if with_pending else (h, new)
+
+
+def commit_chunk(params: Model, cfg: ModelConfig, state: DecodeState, pendings, n_valid) -> DecodeState:
+    """The state after only the first n_valid[b] tokens of a chunk run on `state` (see `commit_layer`)."""
+    start = state.lengths
+    layers = tuple(commit_layer(x, kv, w.attn, cfg, layer, st, start, n_valid)
+                   for layer, (w, st, (x, kv)) in enumerate(zip(params.layers, state.layers, pendings)))
+    return DecodeState(lengths=start + n_valid, layers=layers, mtp=state.mtp)
 
 
 def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):

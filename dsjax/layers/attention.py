@@ -98,12 +98,29 @@ def output_projection(o, w: Attention, cfg: ModelConfig):
     return linear(round_to(r, o.dtype).reshape(b, s, G * R), w.wo_b, cfg)
 
 
+def commit_layer(x, kv_stored, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, start, n_valid) -> LayerState:
+    """The layer state after the first n_valid[b] tokens of a chunk: window ring, compressor groups, entries.
+
+    A pure function of the old state and the chunk's inputs, so a verify block can attend to all its tokens and
+    then commit only the accepted ones: rejected positions leave no trace.
+    """
+    ratio = cfg.layer_ratio(layer)
+    comp = index = None
+    if ratio:
+        comp = compress_chunk(x, w.compressor, st.compressor, cfg, layer, ratio, start, n_valid)
+        if w.indexer is not None:
+            index = compress_chunk(x, w.indexer.compressor, st.index, cfg, layer, ratio, start, n_valid, index_keys=True)
+    return LayerState(window=update_ring(st.window, kv_stored, start, n_valid), compressor=comp, index=index)
+
+
 def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, start, n_valid):
     """One attention sub-layer over a chunk. x [B,T,D] (normed) at positions start[b]+t, the first n_valid[b]
-    real; st holds everything before `start`. Returns (out [B,T,D], new layer state)."""
+    real; st holds everything before `start`. Returns (out [B,T,D], new layer state, (x, stored kv)) — the
+    last being what `commit_layer` needs to commit a shorter prefix of the chunk later."""
     B, T, _ = x.shape
     q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     angles = rope_angles(cfg, layer, q_pos)
+
     def projections(x, angles):
         q, qr = project_q(x, w, cfg, angles)
         iq = index_queries(qr, w.indexer, cfg, angles) if w.indexer is not None else None
@@ -111,16 +128,15 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
 
     q, kv, iq = per_token(cfg, projections, x, angles)
     kv_stored = kv_rows.store_main(kv, cfg)
+    new = commit_layer(x, kv_stored, w, cfg, layer, st, start, n_valid)
     keys, valid = window_keys(st.window, kv_stored, start, cfg.window_size)
     keys = kv_rows.load_main(keys, cfg)
     ratio = cfg.layer_ratio(layer)
-    comp, index = st.compressor, st.index
     if ratio:
-        comp = compress_chunk(x, w.compressor, comp, cfg, layer, ratio, start, n_valid)
+        comp = new.compressor
         visible = compressed_visible(q_pos, comp.entries.shape[1], ratio)          # [B,T,N]
         if w.indexer is not None:
-            index = compress_chunk(x, w.indexer.compressor, index, cfg, layer, ratio, start, n_valid, index_keys=True)
-            index_keys = kv_rows.load_index(index.entries, cfg)
+            index_keys = kv_rows.load_index(new.index.entries, cfg)
             scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index_keys, w.indexer, cfg), x, iq)
             chosen, chosen_ok = select_topk(scores, visible, cfg.index_topk)
             c_keys, c_valid = kv_rows.load_main(take_rows(comp.entries, chosen), cfg), chosen_ok
@@ -130,10 +146,9 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
             c_valid = visible
         keys = jnp.concatenate([keys, c_keys.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, c_valid], axis=2)
+
     def attend(q, keys, valid, angles):
         o = sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5)
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
 
-    out = per_token(cfg, attend, q, keys, valid, angles)
-    new_state = LayerState(window=update_ring(st.window, kv_stored, start, n_valid), compressor=comp, index=index)
-    return out, new_state
+    return per_token(cfg, attend, q, keys, valid, angles), new, (x, kv_stored)
