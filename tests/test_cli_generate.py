@@ -24,6 +24,13 @@ def test_generate_json_and_text():
     assert "random weights" in out.stderr and "6 tokens at" in out.stderr and "first token after" in out.stderr
 
 
+def test_generate_speculative_mtp():
+    out = _run(["generate", "--prompt", "Hello there", "--max-new-tokens", "5", "--json", "--speculative", "mtp",
+                "--draft-tokens", "2"])
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 5
+
+
 def test_chat_multi_turn_with_thinking_toggle():
     out = _run(["chat", "--max-new-tokens", "4"], stdin="hello\n/think\nand now?\n/reset\n/exit\n")
     assert out.returncode == 0, out.stderr
