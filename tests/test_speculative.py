@@ -162,3 +162,28 @@ def test_forced_acceptance_is_simulated(test_seed):
         # after the prefill's token: steps commit 4, 2, 4, 2, 4 tokens (3 or 1 forced drafts + 1): 16 in 5 steps
         assert len(g.tokens) == 17 and g.stats["row_steps"] == 5 and g.stats["accepted"] == 3 + 1 + 3 + 1 + 3
         assert g.stats["acceptance_length"] == pytest.approx(16 / 5)
+
+
+def test_rollback_leaves_no_trace_in_the_caches(test_seed):
+    """After speculative generation the target's caches equal, bit for bit, those of a plain prefill of the
+    prompt + committed tokens: rejected verify positions left nothing in rings, compressor groups or entries."""
+    from dsjax import generate as G
+    from dsjax.model import forward_chunk
+    from dsjax.state import init_state
+
+    m = model()
+    prompts = _prompts(test_seed + 6, (7, 12, 3, 5))
+    opts = G.GenerateOptions(max_new_tokens=26, stop_token_ids=(), speculative="mtp", num_draft_tokens=3)
+    *_, last = G.stream(m.params, m.cfg, prompts, opts, max_seq=m.max_seq_len, max_batch=m.max_batch)
+    carry = last[2]["carry"]
+    toks = np.asarray(carry.tokens)
+    fed = [p + toks[b, :25].tolist() for b, p in enumerate(prompts)]  # the newest token is not fed yet
+    n = np.array([len(f) for f in fed])
+    assert np.array_equal(np.asarray(carry.state.lengths), n)
+    buf = np.zeros((4, max(n)), np.int32)
+    for b, f in enumerate(fed):
+        buf[b, :len(f)] = f
+    _, plain = jax.jit(lambda p, i, s, v: forward_chunk(p, m.cfg, i, s, v))(
+        m.params, jnp.asarray(buf), init_state(m.cfg, 4, m.max_seq_len), jnp.asarray(n, jnp.int32))
+    for ours, ref in zip(jax.tree.leaves(carry.state.layers), jax.tree.leaves(plain.layers)):
+        assert np.array_equal(np.asarray(ours), np.asarray(ref))
