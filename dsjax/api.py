@@ -97,7 +97,7 @@ DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dsj
 
 def enable_compilation_cache(path: str | None = DEFAULT_COMPILATION_CACHE) -> None:
     """Keep compiled programs on disk so a second process skips compilation (None leaves JAX's setting)."""
-    if path is None or jax.config.jax_compilation_cache_dir == path:
+    if path is None or jax.config.jax_compilation_cache_dir == path or not jax.config.jax_enable_compilation_cache:
         return
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
