@@ -64,19 +64,26 @@ def decode_steps(params, carry: LoopCarry, sp: SamplingParams, stop_ids, max_new
                  max_steps: int, K: int, max_seq: int) -> LoopCarry:
     """Run up to `max_steps` decode steps on the device (fewer when every row is done)."""
 
+    def step(carry):
+        active = ~carry.done
+        logits, state = forward_chunk(params, cfg, carry.last[:, None], carry.state, active.astype(jnp.int32))
+        logits = logits[:, 0]
+        tok = sample(logits, sp, carry.state.lengths + 1)
+        carry = record(dataclasses.replace(carry, state=state, steps=carry.steps + 1), tok, logits, K, active)
+        return dataclasses.replace(carry, done=finish_flags(carry, tok, active, stop_ids, max_new, max_seq))
+
+    return run_until_done(step, carry, max_steps)
+
+
+def run_until_done(step, carry, max_steps: int):
+    """Apply `step` on the device up to `max_steps` times, stopping early once every row's `done` is set."""
+
     def cond(c):
         i, carry = c
         return (i < max_steps) & ~jnp.all(carry.done)
 
     def body(c):
         i, carry = c
-        active = ~carry.done
-        logits, state = forward_chunk(params, cfg, carry.last[:, None], carry.state, active.astype(jnp.int32))
-        logits = logits[:, 0]
-        tok = sample(logits, sp, carry.state.lengths + 1)
-        carry = record(dataclasses.replace(carry, state=state, steps=carry.steps + 1), tok, logits, K, active)
-        done = finish_flags(carry, tok, active, stop_ids, max_new, max_seq)
-        return i + 1, dataclasses.replace(carry, done=done)
+        return i + 1, step(carry)
 
-    _, carry = jax.lax.while_loop(cond, body, (jnp.int32(0), carry))
-    return carry
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), carry))[1]

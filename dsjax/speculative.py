@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
-from dsjax.decode import is_stop
+from dsjax.decode import is_stop, run_until_done
 from dsjax.model import commit_chunk, forward_hidden_chunk, head_logits
 from dsjax.mtp import mtp_hidden, mtp_logits
 from dsjax.sampling import SamplingParams, filtered_logprobs, token_logprobs
@@ -140,12 +140,7 @@ def spec_steps(params, carry: SpecCarry, sp: SamplingParams, stop_ids, max_new, 
     """Up to `max_steps` draft-verify steps on the device (fewer when every row is done)."""
     K1 = k + 1
 
-    def cond(c):
-        i, carry = c
-        return (i < max_steps) & ~jnp.all(carry.done)
-
-    def body(c):
-        i, carry = c
+    def step(carry):
         active = ~carry.done
         st = carry.state
         L = st.lengths
@@ -182,7 +177,6 @@ def spec_steps(params, carry: SpecCarry, sp: SamplingParams, stop_ids, max_new, 
             tokens=tokens, logprob=logprob, count=count, done=done, steps=carry.steps + 1,
             drafted=carry.drafted + jnp.where(active, k, 0), accepted=carry.accepted + took,
             accepted_at=carry.accepted_at + (jnp.arange(k)[None] < took[:, None]).astype(jnp.int32))
-        return i + 1, carry
+        return carry
 
-    _, carry = jax.lax.while_loop(cond, body, (jnp.int32(0), carry))
-    return carry
+    return run_until_done(step, carry, max_steps)
