@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax import checkpoint, orbax_io
-from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, load_config, preset
+from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, preset
 from dsjax.errors import ConfigError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
 from dsjax.model import forward

@@ -219,8 +219,6 @@ def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_se
             logprobs = [{"logprob": float(lp[b, i]),
                          "top": [(int(top_ids[b, i, j]), float(top_lp[b, i, j])) for j in range(opts.logprobs)]}
                         for i in range(len(toks))]
-        if logprobs is None and spec_stats is not None:
-            logprobs = None
         st = {"steps": stats.get("steps", 0), "drafted": 0, "accepted": 0, "acceptance_length": 1.0,
               "ttft_s": stats.get("ttft_s", 0.0), "decode_s": stats.get("decode_s", 0.0)}
         if spec_stats is not None:

@@ -6,7 +6,6 @@ and verify blocks: each query gathers a fixed-length key list (its window, then 
 layer state and the chunk, so results do not depend on how a sequence was split into chunks.
 """
 
-import jax
 import jax.numpy as jnp
 
 from dsjax import kv_rows, quant

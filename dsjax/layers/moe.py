@@ -67,7 +67,7 @@ def routed_experts_dense(x, weights, ids, w: MoE, cfg: ModelConfig):
     return sum_in_order(y.astype(jnp.float32), axis=1)
 
 
-def _expert_ffn(xs, ws, slot_experts, w: MoE, cfg: ModelConfig, matmul_fn):
+def _expert_ffn(xs, ws, w: MoE, cfg: ModelConfig, matmul_fn):
     """SwiGLU of each (token, expert) row xs [m, D] with its routing weight ws [m]; returns [m, D] in x's dtype."""
     dt = xs.dtype
     xq = quant.fp8_e4m3_sim(xs, cfg.act_quant_block) if cfg.act_quant_sim else xs
@@ -95,7 +95,7 @@ def routed_experts_sparse(x, weights, ids, w: MoE, cfg: ModelConfig):
         def gathered(a, lin):
             sub = type(lin)(lin.weight[flat_e], None if lin.scale is None else lin.scale[flat_e], lin.fmt, lin.block)
             return einsum_acc32("md,mod->mo", a, dequantize(sub, dt))
-        y = _expert_ffn(xs, flat_w, flat_e, w, cfg, gathered)
+        y = _expert_ffn(xs, flat_w, w, cfg, gathered)
     else:  # many rows: sort by expert, one grouped matmul per projection
         order = jnp.argsort(flat_e, stable=True)
         sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
@@ -106,7 +106,7 @@ def routed_experts_sparse(x, weights, ids, w: MoE, cfg: ModelConfig):
                 a, rhs = a.astype(jnp.float32), rhs.astype(jnp.float32)
             return jax.lax.ragged_dot(a, rhs, sizes, preferred_element_type=jnp.float32,
                                       precision=jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
-        y_sorted = _expert_ffn(xs[order], flat_w[order], flat_e[order], w, cfg, grouped)
+        y_sorted = _expert_ffn(xs[order], flat_w[order], w, cfg, grouped)
         y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return sum_in_order(y.reshape(n, k, -1).astype(jnp.float32), axis=1)
 
