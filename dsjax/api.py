@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax import checkpoint, orbax_io
+from dsjax import checkpoint, orbax_io, sharding
 from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, preset
 from dsjax.errors import ConfigError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
@@ -36,6 +37,11 @@ class Model:
     source: str = ""
     max_seq_len: int = 4096
     max_batch: int = 8
+    mesh: jax.sharding.Mesh | None = None
+
+    def _on_mesh(self):
+        """Traces inside see the mesh (sharding.active_mesh); a no-op on one device."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def check_token_ids(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids)
@@ -62,14 +68,20 @@ class Model:
         """Generate for a batch of token-id prompts. Keywords: temperature, top_p, top_k, min_p,
         seed (int or one per prompt), stop_token_ids (default: EOS), logprobs (top-k count), speculative,
         num_draft_tokens, steps_per_dispatch, prefill_chunk."""
-        return generate(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
-                        max_seq=self.max_seq_len, max_batch=self.max_batch)
+        with self._on_mesh():
+            return generate(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
+                            max_seq=self.max_seq_len, max_batch=self.max_batch)
 
     def stream(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> Iterator[list[list[int]]]:
         """Same arguments as `generate`; yields the new tokens of every row once per device dispatch."""
-        for new, _done, _stats in stream(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
-                                         max_seq=self.max_seq_len, max_batch=self.max_batch):
-            yield new
+        gen = stream(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
+                     max_seq=self.max_seq_len, max_batch=self.max_batch)
+        while True:
+            with self._on_mesh():
+                new = next(gen, None)
+            if new is None:
+                return
+            yield new[0]
 
     def logits(self, token_ids, positions: Sequence[int] | None = None) -> jax.Array:
         """float32 [b, s, vocab] logits of a full-sequence forward; only `positions` when given."""
@@ -79,7 +91,8 @@ class Model:
             pos = tuple(int(p) for p in positions)
             if any(p < 0 or p >= ids.shape[1] for p in pos):
                 raise InputError(f"positions must lie in [0, {ids.shape[1]}), got {list(pos)}")
-        return _logits(self.params, jnp.asarray(ids), cfg=self.cfg, positions=pos, max_seq=self.max_seq_len)
+        with self._on_mesh():
+            return _logits(self.params, jnp.asarray(ids), cfg=self.cfg, positions=pos, max_seq=self.max_seq_len)
 
 
 def _sizes(cfg: ModelConfig, max_seq_len: int | None, max_batch: int | None) -> dict:
@@ -104,12 +117,14 @@ def enable_compilation_cache(path: str | None = DEFAULT_COMPILATION_CACHE) -> No
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def load(path_or_preset: str, *, mesh=None, numerics: str = "reference-bf16", kernels: str = "auto",
-         max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0,
+def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "reference-bf16",
+         kernels: str = "auto", max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0,
          compilation_cache: str | None = DEFAULT_COMPILATION_CACHE) -> Model:
     """Load a checkpoint directory (official or transformers layout, or a dsjax Orbax directory) or a preset.
 
     A preset has no released weights here: it gets random weights (seeded), fine for tiny presets and tests.
+    `mesh`: a (dp, tp) mesh from `dsjax.make_mesh` (weights land sharded by `sharding.ShardingRules`);
+    `ep`: routed experts over the "tp" devices (default) or over "all" devices of the mesh.
     `compilation_cache`: directory of JAX's persistent compilation cache (default ~/.cache/dsjax/xla; None
     leaves JAX's own setting alone).
     """
@@ -118,25 +133,40 @@ def load(path_or_preset: str, *, mesh=None, numerics: str = "reference-bf16", ke
         raise ConfigError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
     if kernels not in KERNELS:
         raise ConfigError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
-    if mesh is not None:
-        raise NotImplementedError("meshes arrive with the sharding issue; load on one device for now")
+    if mesh is not None and tuple(mesh.axis_names) != sharding.MESH_AXES:
+        raise ConfigError(f"mesh axes must be {sharding.MESH_AXES} (use dsjax.make_mesh), got {mesh.axis_names}")
+    rules = sharding.rules_for(ep)
+
+    def setup(cfg):
+        cfg = cfg.with_numerics(numerics).replace(kernels=kernels, sharding=rules)
+        shardings = sharding.param_shardings(cfg, mesh) if mesh is not None else None
+        sizes = _sizes(cfg, max_seq_len, max_batch)
+        if mesh is not None:
+            dp = sharding.axis_size(mesh, rules.mesh_axes("batch"))
+            if sizes["max_batch"] % dp:
+                raise ConfigError(f"max_batch {sizes['max_batch']} must be a multiple of the data-parallel size {dp}")
+        return cfg, shardings, sizes
+
     path = os.fspath(path_or_preset)
     if os.path.isdir(path):
         if orbax_io.is_orbax_dir(path):
-            cfg, params = orbax_io.restore(path)
-            cfg = cfg.with_numerics(numerics).replace(kernels=kernels)
+            cfg, shardings, sizes = setup(orbax_io.read_config(path))
+            params = orbax_io.restore_params(path, cfg, shardings)
         else:
-            cfg = checkpoint.checkpoint_config(path).with_numerics(numerics).replace(kernels=kernels)
-            params = checkpoint.load_params(path, cfg)
-        return Model(cfg, params, source=path, **_sizes(cfg, max_seq_len, max_batch))
+            cfg, shardings, sizes = setup(checkpoint.checkpoint_config(path))
+            params = checkpoint.load_params(path, cfg, shardings=shardings)
+        return Model(cfg, params, source=path, mesh=mesh, **sizes)
     if path in PRESETS:
-        cfg = preset(path).with_numerics(numerics).replace(kernels=kernels)
+        cfg, shardings, sizes = setup(preset(path))
         size = nbytes(cfg)
         if size > _RANDOM_INIT_LIMIT:
             raise ConfigError(f"preset {path!r} needs {size / 2**30:.1f} GiB of weights; random init on the host "
                               f"is limited to {_RANDOM_INIT_LIMIT >> 30} GiB — pass a checkpoint directory")
-        return Model(cfg, init_params(cfg, seed), source=f"preset:{path} (random weights, seed {seed})",
-                     **_sizes(cfg, max_seq_len, max_batch))
+        if shardings is None:
+            params = init_params(cfg, seed)
+        else:
+            params = jax.tree.map(jax.device_put, init_params(cfg, seed, put=np.asarray), shardings)
+        return Model(cfg, params, source=f"preset:{path} (random weights, seed {seed})", mesh=mesh, **sizes)
     if os.path.exists(path):
         raise ConfigError(f"{path}: expected a checkpoint directory (config.json + *.safetensors) or an Orbax directory")
     raise ConfigError(f"{path!r} is neither a directory nor a known preset; presets: {', '.join(sorted(PRESETS))}")

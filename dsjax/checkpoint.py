@@ -186,8 +186,12 @@ def checkpoint_config(path: str, cfg: ModelConfig | None = None) -> ModelConfig:
     return cfg
 
 
-def load_params(path: str, cfg: ModelConfig | None = None, **kw):
-    """Read a checkpoint directory (official or transformers layout) into the weight tree of `cfg`."""
+def load_params(path: str, cfg: ModelConfig | None = None, *, shardings=None, **kw):
+    """Read a checkpoint directory (official or transformers layout) into the weight tree of `cfg`;
+    with `shardings` (sharding.param_shardings) each array lands on the mesh."""
+    if shardings is not None:
+        params = load_params(path, cfg, **kw)
+        return jax.tree.map(jax.device_put, params, shardings)
     cfg = checkpoint_config(path, cfg)
     files = safetensors_io.open_dir(path)
     if detect_layout(files) == "transformers":

@@ -66,13 +66,11 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import dataclasses
-
     import dsjax
     from dsjax.weights import nbytes
 
     cfg = dsjax.load_config(args.model) if "/" in args.model else dsjax.preset(args.model)
-    out = dataclasses.asdict(cfg)
+    out = cfg.to_dict()
     try:
         out["weight_bytes"] = nbytes(cfg)
     except NotImplementedError as e:  # V4.1: the config is known, its weight tree is not written yet

@@ -15,6 +15,7 @@ import os
 from typing import Any, Literal
 
 from dsjax.errors import ConfigError
+from dsjax.sharding import ShardingRules
 
 Family = Literal["v4", "v4.1"]
 LayerKind = Literal["window", "csa", "hca", "csa2"]
@@ -107,6 +108,14 @@ class ModelConfig:
     batch_invariant: bool = False  # compute token by token: results independent of chunking (see layers/rows.py)
     # kernel selection for every op (see pallas_kernels/)
     kernels: str = "auto"
+    # logical -> mesh axes (sharding.py); inert without a mesh. Deployment, not architecture: never serialised.
+    sharding: ShardingRules = ShardingRules()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The architecture and numerics as plain JSON values (no sharding rules)."""
+        out = dataclasses.asdict(self)
+        out.pop("sharding")
+        return out
 
     def __post_init__(self):
         self.validate()
@@ -314,7 +323,7 @@ def config_from_dict(raw: dict[str, Any], *, name: str = "custom", source: str =
         out.update(n_hash_layers=0, norm_eps=1e-20, weight_block_size=32, pad_token_id=2)
     for key, value in d.items():
         target = _HF_TO_INFERENCE.get(key, key)
-        if target in _FIELDS and target not in ("name", "family"):
+        if target in _FIELDS and target not in ("name", "family", "sharding"):
             out[target] = value
     # rope scaling (HF) -> inference names
     rs = d.get("rope_scaling") or d.get("rope_parameters") or {}

@@ -22,6 +22,7 @@ from dsjax.model import forward_hidden_chunk, head_logits
 from dsjax.mtp import mtp_hidden
 from dsjax.speculative import Forced, SpecCarry, spec_steps
 from dsjax.sampling import SamplingParams, make_sampling, sample
+from dsjax.sharding import active_mesh, axis_size
 from dsjax.state import init_state
 
 
@@ -119,7 +120,9 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     prefill's token."""
     rows = validate(cfg, prompts, opts, max_seq, max_batch)
     B = len(rows)
-    slots = _bucket(B, 1)
+    mesh = active_mesh()
+    dp = axis_size(mesh, cfg.sharding.mesh_axes("batch")) if mesh is not None else 1
+    slots = max(_bucket(B, 1), dp)  # the batch splits evenly over the data-parallel axis
     sp = make_sampling(B, temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p, min_p=opts.min_p,
                        seed=opts.seed)
     pad = slots - B

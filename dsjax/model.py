@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dsjax.config import ModelConfig
 from dsjax.layers.attention import attention, commit_layer
@@ -17,6 +18,7 @@ from dsjax.layers.hyper_connections import hc_head, hc_post, hc_pre
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rows import per_token
+from dsjax.sharding import active_mesh, axis_size, constrain, constrain_batch
 from dsjax.state import DecodeState, LayerState, init_state
 from dsjax.weights import Block, Model
 
@@ -41,9 +43,28 @@ def block_forward(h, token_ids, w: Block, cfg: ModelConfig, layer: int, st: Laye
     return (out, st, pending) if with_pending else (out, st)
 
 
+def embed_rows(table, token_ids, cfg: ModelConfig):
+    """table[token_ids]; vocab-parallel under a mesh: each shard looks up its own rows, zeros elsewhere, and a
+    psum (exact: one non-zero term) assembles them — the table is never gathered."""
+    mesh = active_mesh()
+    vocab = cfg.sharding.mesh_axes("vocab")
+    if mesh is None or axis_size(mesh, vocab) == 1:
+        return table[token_ids]
+
+    def local(table, ids):
+        rows = table.shape[0]
+        ids = ids - jax.lax.axis_index(vocab) * rows
+        mine = (ids >= 0) & (ids < rows)
+        out = jnp.where(mine[..., None], table[jnp.clip(ids, 0, rows - 1)], 0)
+        return jax.lax.psum(out, vocab)
+
+    batch = cfg.sharding.spec(("batch",))
+    return jax.shard_map(local, in_specs=(P(vocab), batch), out_specs=batch, check_vma=False)(table, token_ids)
+
+
 def embed(params: Model, cfg: ModelConfig, token_ids):
     dt = jnp.dtype(cfg.compute_dtype)
-    h = params.embed[token_ids].astype(dt)
+    h = embed_rows(params.embed, token_ids, cfg).astype(dt)
     return jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
 
 
@@ -54,13 +75,15 @@ def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: Deco
     B, T = token_ids.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths
-    h = embed(params, cfg, token_ids)
+    streams = ("batch", None, None, None)  # activations replicated over tp between the blocks
+    h = constrain(embed(params, cfg, token_ids), cfg.sharding, streams)
     layers, pendings = [], []
     for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
         h, st, pending = block_forward(h, token_ids, w, cfg, layer, st, start, n_valid, with_pending=True)
+        h = constrain(h, cfg.sharding, streams)
         layers.append(st)
         pendings.append(pending)
-    new = DecodeState(lengths=start + n_valid, layers=tuple(layers), mtp=state.mtp)
+    new = constrain_batch(DecodeState(lengths=start + n_valid, layers=tuple(layers), mtp=state.mtp), cfg.sharding)
     return (h, new, tuple(pendings)) if with_pending else (h, new)
 
 

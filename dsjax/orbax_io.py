@@ -6,7 +6,6 @@ fills it. This is what `dsjax convert` writes, so later loads skip safetensors p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -32,18 +31,29 @@ def save(path: str, params, cfg: ModelConfig) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "params"), params)
     with open(os.path.join(path, MARKER), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+        json.dump(cfg.to_dict(), f, indent=1)
 
 
-def restore(path: str):
+def read_config(path: str) -> ModelConfig:
     path = os.path.abspath(path)
     try:
         with open(os.path.join(path, MARKER)) as f:
             raw = json.load(f)
-        cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k != "sharding"})
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable {MARKER} ({e})") from None
+
+
+def restore_params(path: str, cfg: ModelConfig, shardings=None):
+    """The weight tree, each array restored straight into its sharding (default: the first device)."""
     target = abstract(cfg)
+    if shardings is not None:
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(os.path.join(path, "params"), target)
-    return cfg, jax.tree.map(lambda x: x, params)
+        params = ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
+    return jax.tree.map(lambda x: x, params)
+
+
+def restore(path: str):
+    cfg = read_config(path)
+    return cfg, restore_params(path, cfg)

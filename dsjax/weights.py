@@ -216,7 +216,7 @@ def _moe(cfg: ModelConfig, layer: int) -> MoE:
     return MoE(
         gate=ArrayInfo((E, D), jnp.bfloat16, (None, None), ("normal", (16.0 / D) ** 0.5)),
         gate_bias=None if hashed else ArrayInfo((E,), jnp.float32, (None,), ("normal", 0.5)),
-        tid2eid=ArrayInfo((cfg.vocab_size, k), jnp.int32, ("vocab", None), ("tid2eid",)) if hashed else None,
+        tid2eid=ArrayInfo((cfg.vocab_size, k), jnp.int32, (None, None), ("tid2eid",)) if hashed else None,
         w1=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),
         w2=_linear(cfg, D, I, (None, "moe_ffn"), std=(0.01 / I) ** 0.5, **ex),
         w3=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),

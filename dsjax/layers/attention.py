@@ -16,6 +16,7 @@ from dsjax.layers.linear import einsum_acc32, linear
 from dsjax.layers.norms import rms_norm, weightless_head_norm
 from dsjax.layers.rope import apply_rope, rope_angles
 from dsjax.layers.rows import per_token, take_rows
+from dsjax.sharding import constrain
 from dsjax.state import LayerState
 from dsjax.weights import Attention
 from dsjax.numerics import div_exact, round_to
@@ -27,6 +28,7 @@ def project_q(x, w: Attention, cfg: ModelConfig, angles):
     qr = rms_norm(linear(x, w.wq_a, cfg), w.q_norm, cfg.norm_eps)
     q = linear(qr, w.wq_b, cfg).reshape(b, s, cfg.n_heads, cfg.head_dim)
     q = weightless_head_norm(q, cfg.norm_eps)
+    q = constrain(q, cfg.sharding, ("batch", None, "heads", None))
     return apply_rope(q, angles[:, :, None, :]), qr
 
 
@@ -91,7 +93,7 @@ def output_projection(o, w: Attention, cfg: ModelConfig):
     """Grouped low-rank output: o [b,s,H,d] -> per-group wo_a (bf16 einsum) -> wo_b."""
     b, s = o.shape[:2]
     G, R = cfg.o_groups, cfg.o_lora_rank
-    og = o.reshape(b, s, G, -1)
+    og = constrain(o.reshape(b, s, G, -1), cfg.sharding, ("batch", None, "heads", None))
     wo_a = w.wo_a.astype(o.dtype).reshape(G, R, -1)
     r = einsum_acc32("bsgd,grd->bsgr", og, wo_a)
     return linear(round_to(r, o.dtype).reshape(b, s, G * R), w.wo_b, cfg)

@@ -7,10 +7,12 @@ routed and shared experts (the current official revision).
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import dequantize, einsum_acc32, linear
 from dsjax import quant
+from dsjax.sharding import active_mesh, axis_size
 from dsjax.weights import MoE
 from dsjax.numerics import div_exact, round_to, sigmoid, silu, softmax_exact, softplus, sum_in_order
 
@@ -52,9 +54,12 @@ def shared_expert(x, w: MoE, cfg: ModelConfig):
 
 
 def routed_experts_dense(x, weights, ids, w: MoE, cfg: ModelConfig):
-    """Every expert on every token, masked by the routing weights (the reference: simple, exact, O(E))."""
+    """Every expert on every token, masked by the routing weights (the reference: simple, exact, O(E)).
+
+    `ids` index the experts held in `w` (E = their count: all of them, or one shard's under expert
+    parallelism, where non-local picks carry weight 0)."""
     dt = x.dtype
-    E = cfg.n_routed_experts
+    E = w.w1.weight.shape[0]
     combine = jnp.sum(jax.nn.one_hot(ids, E, dtype=jnp.float32) * weights[..., None], axis=1)  # [n,E]
     xq = quant.fp8_e4m3_sim(x, cfg.act_quant_block) if cfg.act_quant_sim else x
     w1, w3, w2 = (dequantize(m, dt) for m in (w.w1, w.w3, w.w2))
@@ -85,7 +90,7 @@ def routed_experts_sparse(x, weights, ids, w: MoE, cfg: ModelConfig):
     Per token the k expert outputs are summed in ascending expert order, as the reference's loop does.
     """
     n, k = ids.shape
-    E, dt = cfg.n_routed_experts, x.dtype
+    E, dt = w.w1.weight.shape[0], x.dtype
     order_in_row = jnp.argsort(ids, axis=-1)
     ids = jnp.take_along_axis(ids, order_in_row, axis=-1)
     weights = jnp.take_along_axis(weights, order_in_row, axis=-1)
@@ -111,13 +116,51 @@ def routed_experts_sparse(x, weights, ids, w: MoE, cfg: ModelConfig):
     return sum_in_order(y.reshape(n, k, -1).astype(jnp.float32), axis=1)
 
 
+def routed_experts(x, weights, ids, w: MoE, cfg: ModelConfig):
+    """fp32 [n, D] sum of each token's routed experts; expert-parallel under a mesh (`expert_parallel`)."""
+    experts = routed_experts_dense if cfg.kernels == "reference" else routed_experts_sparse
+    if active_mesh() is None:
+        return experts(x, weights, ids, w, cfg)
+    return expert_parallel(experts, x, weights, ids, w, cfg)
+
+
+def expert_parallel(experts, x, weights, ids, w: MoE, cfg: ModelConfig):
+    """Each device runs its local slice of the experts on every token, picks of other shards masked to weight 0,
+    and a psum over the expert axes adds the slices. Tokens sharded over an expert axis (the batch on `dp`
+    when experts span dp x tp) are all-gathered first and the sum scattered back."""
+    rules = cfg.sharding
+    mesh = active_mesh()
+    ep = rules.mesh_axes("experts")
+    tok = tuple(a for a in rules.mesh_axes("batch") if axis_size(mesh, (a,)) > 1)
+    gathered = tuple(a for a in tok if a in ep)
+    tok_spec = P(tok or None)
+    routed = MoE(gate=None, gate_bias=None, tid2eid=None, w1=w.w1, w2=w.w2, w3=w.w3,
+                 shared_w1=None, shared_w2=None, shared_w3=None)
+    w_spec = jax.tree.map(lambda a: P(ep), routed)
+
+    def local(x, weights, ids, w):
+        for a in gathered:
+            x, weights, ids = (jax.lax.all_gather(v, a, tiled=True) for v in (x, weights, ids))
+        e_local = w.w1.weight.shape[0]
+        shard = jax.lax.axis_index(ep) if ep else 0
+        local_ids = ids - shard * e_local
+        mine = (local_ids >= 0) & (local_ids < e_local)
+        y = experts(x, jnp.where(mine, weights, 0.0), jnp.clip(local_ids, 0, e_local - 1), w, cfg)
+        summed = tuple(a for a in ep if a not in gathered)
+        for a in gathered:
+            y = jax.lax.psum_scatter(y, a, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, summed) if summed else y
+
+    return jax.shard_map(local, in_specs=(tok_spec, tok_spec, tok_spec, w_spec), out_specs=tok_spec,
+                         check_vma=False)(x, weights, ids, routed)
+
+
 def moe(x, token_ids, w: MoE, cfg: ModelConfig):
     """x [b,s,D], token_ids [b,s] -> [b,s,D]: routed experts (fp32 sum) + shared expert, in x's dtype."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     weights, ids = route(xf, token_ids.reshape(-1), w, cfg)
-    experts = routed_experts_dense if cfg.kernels == "reference" else routed_experts_sparse
-    y = experts(xf, weights, ids, w, cfg)
+    y = routed_experts(xf, weights, ids, w, cfg)
     y = y + shared_expert(xf, w, cfg).astype(jnp.float32)
     return round_to(y, x.dtype).reshape(shape)
 
