@@ -2,7 +2,8 @@
 
 Names come from the weight tree itself (`official_name`), so loading checks every tensor the config implies:
 present, of the right shape, of the right dtype — and nothing unexpected. Tensors stream one at a time from
-memory-mapped shards; stacked experts are assembled from their per-expert tensors.
+memory-mapped shards; stacked experts are assembled from their per-expert tensors. Given shardings, each device's
+slice is read on its own (pread, no mapped pages left resident), so host memory stays at about one leaf.
 """
 
 from __future__ import annotations
@@ -80,25 +81,36 @@ def _convert(name: str, a: np.ndarray, info: ArrayInfo) -> np.ndarray:
     return a
 
 
-def _wo_a_dequantised(name: str, files, cfg: ModelConfig, info: ArrayInfo) -> np.ndarray:
-    """The official checkpoint stores attn.wo_a in FP8; like convert.py we keep it dequantised in bf16."""
+def _wo_a_dequantised(name: str, files, cfg: ModelConfig, info: ArrayInfo, index: tuple | None = None) -> np.ndarray:
+    """The official checkpoint stores attn.wo_a in FP8; like convert.py we keep it dequantised in bf16.
+    With `index` (a shard's slices) only the 128-row blocks that cover the shard's rows are read."""
     if name not in files:
         raise CheckpointError(f"{name}: missing from the checkpoint (expected shape {info.shape}, FP8 or BF16)")
     sf = files[name]
     if tuple(sf.shape(name)) != tuple(info.shape):
         raise CheckpointError(f"{name}: expected shape {info.shape}, found {tuple(sf.shape(name))} in {sf.path}")
-    w = sf.get(name)
     if sf.dtype_name(name) == "BF16":
-        return w
+        return _fetch(sf, name, index)
     scale_name = name[: -len("weight")] + "scale"
     if sf.dtype_name(name) != "F8_E4M3" or scale_name not in files:
         raise CheckpointError(f"{name}: expected BF16, or F8_E4M3 with {scale_name}; found {sf.dtype_name(name)} in {sf.path}")
-    s = files[scale_name].get(scale_name).view(np.uint8)
+    B, rows = cfg.weight_block_size, info.shape[0]
+    found, want = tuple(files[scale_name].shape(scale_name)), tuple(-(-n // B) for n in info.shape)
+    if found != want:  # a scale grid that does not fit the weight's blocks
+        raise CheckpointError(f"{scale_name}: cannot dequantise {name} with it (scale shape {found}, expected {want} "
+                              f"for blocks of {B}) in {files[scale_name].path}")
+    r0, r1, _ = (index[0] if index else slice(None)).indices(rows)
+    b0, b1 = r0 // B, -(-r1 // B)
+    w = _fetch(sf, name, None if index is None else (slice(b0 * B, min(b1 * B, rows)),))
+    s = _fetch(files[scale_name], scale_name, None if index is None else (slice(b0, b1),)).view(np.uint8)
     _check_scale_bytes(scale_name, s, files[scale_name].path)
-    try:
-        return quant.dequantize_fp8_blocks_np(w, s, cfg.weight_block_size).astype(ml_dtypes.bfloat16)
-    except ValueError as e:  # a scale grid that does not fit the weight's blocks
-        raise CheckpointError(f"{scale_name}: cannot dequantise {name} with it ({e}) in {files[scale_name].path}") from None
+    out = quant.dequantize_fp8_blocks_np(w, s, B).astype(ml_dtypes.bfloat16)
+    return out if index is None else out[(slice(r0 - b0 * B, r1 - b0 * B),) + tuple(index[1:])]
+
+
+def _fetch(sf, name: str, index: tuple | None) -> np.ndarray:
+    """The whole tensor as a view of the memory map (index None), or a fresh array of just tensor[index]."""
+    return sf.get(name) if index is None else sf.read(name, index)
 
 
 def _check_scale_bytes(name: str, scale_u8: np.ndarray, path: str) -> None:
@@ -126,49 +138,83 @@ def _check(name: str, files, info: ArrayInfo, shape) -> None:
 
 
 def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, ArrayInfo], Any] | None = None,
-              progress: Callable[[int], None] | None = None):
-    """Assemble the weight tree from `files` (name -> SafetensorsFile), validating every tensor."""
+              shardings=None, progress: Callable[[int], None] | None = None):
+    """Assemble the weight tree from `files` (name -> SafetensorsFile), validating every tensor.
+
+    Without `shardings` each whole tensor goes through `put`. With `shardings` (a NamedSharding per leaf) each
+    leaf is built by `jax.make_array_from_callback` from the slices its devices hold, read straight from the
+    files: no leaf — least of all a stack of routed experts — is ever assembled whole on the host."""
     put = put or (lambda a, info: jnp.asarray(a))
     tree = describe(cfg)
     used: set[str] = set()
 
-    def load(path, info: ArrayInfo):
-        name = official_name(path)
+    def leaf_reader(name: str, info: ArrayInfo) -> tuple[Callable[[tuple | None], np.ndarray], int]:
+        """Validate the leaf's tensors now; return read(index) -> the leaf's [index] (None: all), and their count."""
         if name.endswith("attn.wo_a.weight"):
-            used.update({name, name[: -len("weight")] + "scale"})
-            out = put(_wo_a_dequantised(name, files, cfg, info), info)
-            if progress:
-                progress(2 if name[: -len("weight")] + "scale" in files else 1)
-            return out
+            scale = name[: -len("weight")] + "scale"
+            used.update({name, scale})
+            return (lambda index: _wo_a_dequantised(name, files, cfg, info, index)), 2 if scale in files else 1
+
+        def one(n: str, index) -> np.ndarray:
+            a = _convert(n, _fetch(files[n], n, index), info)
+            if n.endswith(".scale"):
+                _check_scale_bytes(n, a, files[n].path)
+            return a
+
         if "{e}" not in name:
             _check(name, files, info, info.shape)
             used.add(name)
-            a = _convert(name, files[name].get(name), info)
-            if name.endswith(".scale"):
-                _check_scale_bytes(name, a, files[name].path)
-            out = put(a, info)
-            if progress:
-                progress(1)
-            return out
+            return (lambda index: one(name, index)), 1
         E = info.shape[0]
-        stacked = np.empty(info.shape, dtype=jnp.dtype(info.dtype))
-        for e in range(E):
-            n = name.replace("{e}", str(e))
+        names = [name.replace("{e}", str(e)) for e in range(E)]
+        for n in names:
             _check(n, files, info, info.shape[1:])
-            used.add(n)
-            stacked[e] = _convert(n, files[n].get(n), info)
-            if n.endswith(".scale"):
-                _check_scale_bytes(n, stacked[e], files[n].path)
-        if progress:
-            progress(E)
-        return put(stacked, info)
+        used.update(names)
 
-    out = jax.tree_util.tree_map_with_path(load, tree, is_leaf=is_info)
+        def stacked(index):  # only the experts of this shard, one tensor at a time
+            experts = range(*(index[0] if index else slice(None)).indices(E))
+            rest = None if index is None else tuple(index[1:])
+            out = np.empty((len(experts),) + _index_shape(info.shape[1:], rest or ()), dtype=jnp.dtype(info.dtype))
+            for i, e in enumerate(experts):
+                out[i] = one(names[e], rest)
+            return out
+
+        return stacked, E
+
+    def load(path, info: ArrayInfo, sharding=None):
+        read, count = leaf_reader(official_name(path), info)
+        out = put(read(None), info) if sharding is None else _make_sharded(info, sharding, read)
+        if progress:
+            progress(count)
+        return out
+
+    if shardings is None:
+        out = jax.tree_util.tree_map_with_path(load, tree, is_leaf=is_info)
+    else:
+        out = jax.tree_util.tree_map_with_path(load, tree, shardings, is_leaf=is_info)
     extra = sorted(set(files) - used)
     if extra:
         raise CheckpointError(f"{len(extra)} unexpected tensor(s) for {cfg.name}: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''}")
     return out
+
+
+def _index_shape(shape, index: tuple) -> tuple[int, ...]:
+    """The shape of x[index] for an x of `shape`, without allocating x."""
+    return tuple(np.broadcast_to(np.empty((), np.bool_), tuple(shape))[index].shape)
+
+
+def _make_sharded(info: ArrayInfo, sharding, read: Callable[[tuple], np.ndarray]) -> jax.Array:
+    """One leaf on its devices; devices holding the same slice (replicas) share one read."""
+    cache: dict = {}
+
+    def shard(index):
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in cache:
+            cache[key] = read(tuple(index))
+        return cache[key]
+
+    return jax.make_array_from_callback(tuple(info.shape), sharding, shard, dtype=jnp.dtype(info.dtype))
 
 
 def detect_layout(files: dict) -> str:
@@ -188,10 +234,7 @@ def checkpoint_config(path: str, cfg: ModelConfig | None = None) -> ModelConfig:
 
 def load_params(path: str, cfg: ModelConfig | None = None, *, shardings=None, **kw):
     """Read a checkpoint directory (official or transformers layout) into the weight tree of `cfg`;
-    with `shardings` (sharding.param_shardings) each array lands on the mesh."""
-    if shardings is not None:
-        params = load_params(path, cfg, **kw)
-        return jax.tree.map(jax.device_put, params, shardings)
+    with `shardings` (sharding.param_shardings) each array is read shard by shard straight onto the mesh."""
     cfg = checkpoint_config(path, cfg)
     files = safetensors_io.open_dir(path)
     if detect_layout(files) == "transformers":
@@ -202,8 +245,8 @@ def load_params(path: str, cfg: ModelConfig | None = None, *, shardings=None, **
         bar = tqdm(total=len(files), desc=f"loading {os.path.basename(os.path.abspath(path))}", unit="tensor",
                    disable=len(files) < 1000, leave=False)
         with bar:
-            return read_tree(files, cfg, progress=bar.update, **kw)
-    return read_tree(files, cfg, **kw)
+            return read_tree(files, cfg, shardings=shardings, progress=bar.update, **kw)
+    return read_tree(files, cfg, shardings=shardings, **kw)
 
 
 class _LazyTensor:
@@ -217,13 +260,21 @@ class _LazyTensor:
 
     @property
     def shape(self):
-        shape = self.sf.shape(self.name)
-        probe = np.empty(shape, dtype=np.bool_)[self.index] if self.index else None
-        return tuple(probe.shape) if probe is not None else tuple(shape)
+        return _index_shape(self.sf.shape(self.name), self.index)
 
     def load(self) -> np.ndarray:
         a = self.sf.get(self.name)
         return a[self.index] if self.index else a
+
+    def read(self, index: tuple) -> np.ndarray:
+        """self[index] read from the file alone: `index` composed with this view's own index (ints, slices)."""
+        full, rest = [], list(index)
+        for i, n in zip(self.index, self.sf.shape(self.name)):
+            if isinstance(i, slice) and rest:
+                r = range(*i.indices(n))[rest.pop(0)]
+                i = slice(r.start, r.stop, r.step)
+            full.append(i)
+        return self.sf.read(self.name, tuple(full) + tuple(rest))
 
 
 class _RenamedFile:
@@ -234,6 +285,9 @@ class _RenamedFile:
 
     def get(self, name):
         return self.tensors[name].load()
+
+    def read(self, name, index=()):
+        return self.tensors[name].read(tuple(index))
 
     def shape(self, name):
         return self.tensors[name].shape
