@@ -1,4 +1,4 @@
-"""`dsjax` command line: generate, chat, logits, convert, info. `dsjax COMMAND --help` explains each flag."""
+"""`dsjax` command line: generate, chat, logits, convert, info, plan. `dsjax COMMAND --help` explains each flag."""
 
 from __future__ import annotations
 
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Print a config (preset name or config.json path) as JSON, with its weight bytes.")
     inf.add_argument("model", help="preset name or path to a config.json / checkpoint directory")
     inf.set_defaults(func=cmd_info)
+    from dsjax.cli_plan import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 
