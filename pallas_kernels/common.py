@@ -1,0 +1,137 @@
+"""Helpers every kernel shares: stored-row formats and their dequantisation, padding, backend selection.
+
+The dequantisers use only elementwise ops, slices along the last dim and bitcasts, so the same code runs in
+the XLA paths and inside Pallas kernels on loaded tiles. They decode the layouts of `dsjax.kv_rows`:
+
+- main KV row (V4): `nope` e4m3 codes | nope/block ue8m0 scale bytes | rope dims as little-endian bf16 | pad;
+- index-key row: e2m1 codes two per byte (low nibble first) | one ue8m0 byte per `block` values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class MainRowFormat:
+    """Layout of a compact main-KV row (584 bytes for V4: 448 codes + 7 scales + 128 rope bytes + 1 pad)."""
+    nope: int = 448
+    rope: int = 64
+    block: int = 64
+
+    @property
+    def dim(self) -> int:
+        return self.nope + self.rope
+
+    @property
+    def row_bytes(self) -> int:
+        raw = self.nope + self.nope // self.block + 2 * self.rope
+        return -(-raw // 8) * 8
+
+    @classmethod
+    def from_config(cls, cfg) -> "MainRowFormat":
+        return cls(nope=cfg.nope_head_dim, rope=cfg.rope_head_dim, block=cfg.kv_quant_block)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexRowFormat:
+    """Layout of a compact index-key row (68 bytes for 128 dims: 64 packed bytes + 4 scales)."""
+    dim: int = 128
+    block: int = 32
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim // 2 + self.dim // self.block
+
+    @classmethod
+    def from_config(cls, cfg) -> "IndexRowFormat":
+        return cls(dim=cfg.index_head_dim, block=cfg.index_quant_block)
+
+
+def check_implementation(implementation: str) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    return implementation
+
+
+def e8m0_to_f32(u8):
+    """ue8m0 byte e -> 2^(e-127) in fp32 (byte 0 -> the subnormal 2^-127, as dsjax.quant decodes it)."""
+    u = u8.astype(jnp.uint32)
+    bits = jnp.where(u == 0, np.uint32(0x00400000), u << 23)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def dequant_main_rows(rows, fmt: MainRowFormat):
+    """uint8 [..., row_bytes] -> fp32 [..., dim]; exact (the values are already fake-quantised)."""
+    lead = rows.shape[:-1]
+    nb = fmt.nope // fmt.block
+    codes = jax.lax.bitcast_convert_type(rows[..., :fmt.nope], jnp.float8_e4m3fn).astype(jnp.float32)
+    scales = e8m0_to_f32(rows[..., fmt.nope:fmt.nope + nb])
+    nope = (codes.reshape(lead + (nb, fmt.block)) * scales[..., None]).reshape(lead + (fmt.nope,))
+    rb = rows[..., fmt.nope + nb: fmt.nope + nb + 2 * fmt.rope].astype(jnp.uint16).reshape(lead + (fmt.rope, 2))
+    rope = jax.lax.bitcast_convert_type(rb[..., 0] | (rb[..., 1] << 8), jnp.bfloat16).astype(jnp.float32)
+    return jnp.concatenate([nope, rope], axis=-1)
+
+
+def fp4_code_to_f32(c):
+    """e2m1 code (sign in bit 3) -> fp32 without a table gather: 0.5·m if e == 0 else (2+m)·2^(e-2)."""
+    c = c.astype(jnp.int32)
+    m = (c & 1).astype(jnp.float32)
+    e = (c >> 1) & 3
+    mag = jnp.where(e == 0, 0.5 * m, (2.0 + m) * jnp.where(e == 3, 2.0, jnp.where(e == 2, 1.0, 0.5)))
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def dequant_index_rows(rows, fmt: IndexRowFormat):
+    """uint8 [..., row_bytes] -> fp32 [..., dim]; exact."""
+    lead = rows.shape[:-1]
+    half, nb = fmt.dim // 2, fmt.dim // fmt.block
+    packed = rows[..., :half]
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(lead + (fmt.dim,))
+    scales = e8m0_to_f32(rows[..., half:half + nb])
+    vals = fp4_code_to_f32(codes).reshape(lead + (nb, fmt.block)) * scales[..., None]
+    return vals.reshape(lead + (fmt.dim,))
+
+
+def load_rows(stored, fmt):
+    """Stored rows -> fp32 values: uint8 rows are dequantised with `fmt`, anything else is already values."""
+    if stored.dtype == jnp.uint8:
+        return (dequant_main_rows if isinstance(fmt, MainRowFormat) else dequant_index_rows)(stored, fmt)
+    return stored.astype(jnp.float32)
+
+
+def row_width(stored, fmt) -> int:
+    """The value dim of stored rows."""
+    return fmt.dim if stored.dtype == jnp.uint8 else stored.shape[-1]
+
+
+def pad_axis(x, axis: int, multiple: int, value):
+    """Pad `axis` of x up to a multiple of `multiple` with `value` (tiles never read past the end)."""
+    n = x.shape[axis]
+    extra = -n % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def round_bf(x, dtype):
+    """Round an fp32 array to `dtype` and back: the reference's intermediate roundings, kernel-safe."""
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def gpu_interpret(interpret):
+    """`interpret` for plgpu.kernel: None on a GPU (compile), Mosaic GPU interpret mode elsewhere (tests)."""
+    if interpret is not None:
+        return interpret
+    if jax.default_backend() == "gpu":
+        return None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.InterpretGPUParams()

@@ -1,0 +1,117 @@
+"""dsjax.kernels.sparse_mqa: reference == the model's sink_attention; xla and the Mosaic GPU kernel (interpret
+mode on CPU: buffers poisoned with NaN, race detection on) == reference, on fresh random inputs."""
+
+import importlib.util
+import pathlib
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def _kernels_package():
+    """`dsjax.kernels` maps to pallas_kernels/ in pyproject.toml; an editable install made before that mapping
+    does not know it, so alias it here rather than fail."""
+    try:
+        import dsjax.kernels  # noqa: F401
+    except ModuleNotFoundError:
+        root = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels"
+        spec = importlib.util.spec_from_file_location("dsjax.kernels", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["dsjax.kernels"] = mod
+        spec.loader.exec_module(mod)
+
+
+_kernels_package()
+
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from dsjax import kv_rows, quant  # noqa: E402
+from dsjax.kernels.common import MainRowFormat, dequant_main_rows  # noqa: E402
+from dsjax.kernels.sparse_mqa import hca_indices, sparse_mqa_decode, window_indices, window_rows  # noqa: E402
+from dsjax.kernels.sparse_mqa.reference import gather_keys  # noqa: E402
+from dsjax.layers.attention import sink_attention, window_keys  # noqa: E402
+
+# A scaled-down V4 main row: 64 FP8 dims in one 64-block + 64 bf16 rope dims (d = 128, 200-byte rows).
+FMT = MainRowFormat(nope=64, rope=64, block=64)
+CFG = types.SimpleNamespace(nope_head_dim=FMT.nope, kv_quant_block=FMT.block, rope_head_dim=FMT.rope)
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+
+
+def _values(key, shape):
+    """Main-KV values as the cache holds them: FP8-rounded non-rope dims, bf16 rope dims."""
+    kv = jax.random.normal(key, shape, jnp.float32) * 2.0
+    return jnp.concatenate([quant.fp8_e4m3_sim(kv[..., :FMT.nope], FMT.block), kv[..., FMT.nope:]], -1).astype(jnp.bfloat16)
+
+
+def _case(seed, H, compact, B=2, Q=3, W=8, Nc=24, Kc=13):
+    ks = jax.random.split(jax.random.key(seed), 8)
+    q = jax.random.normal(ks[0], (B, Q, H, FMT.dim), jnp.float32).astype(jnp.bfloat16)
+    sink = jax.random.normal(ks[1], (H,), jnp.float32)
+    ring, chunk, entries = _values(ks[2], (B, W, FMT.dim)), _values(ks[3], (B, Q, FMT.dim)), _values(ks[4], (B, Nc, FMT.dim))
+    if compact:
+        ring, chunk, entries = (kv_rows.pack_main(x, CFG) for x in (ring, chunk, entries))
+    start = jnp.array([2, 11][:B], jnp.int32)                  # row 0 starts early: part of its window is invalid
+    comp_idx = jax.random.randint(ks[5], (B, Q, Kc), -1, Nc)    # CSA-like picks with invalid (-1) holes
+    comp_idx = comp_idx.at[0, 0].set(-1)
+    win_idx = window_indices(start, Q, W).at[0, 0].set(-1)     # query (0, 0) has no valid key at all
+    return q, sink, ring, chunk, entries, start, win_idx, comp_idx
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp8rows"])
+def test_reference_is_sink_attention(test_seed, compact):
+    q, sink, ring, chunk, entries, start, win_idx, comp_idx = _case(test_seed, 4, compact)
+    win = window_rows(ring, chunk)
+    out = sparse_mqa_decode(q, sink, win, win_idx, entries, comp_idx, scale=FMT.dim ** -0.5, row_format=FMT,
+                            implementation="reference")
+    wk, wv = gather_keys(win, win_idx, FMT, q.dtype)
+    ck, cv = gather_keys(entries, comp_idx, FMT, q.dtype)
+    want = sink_attention(q, jnp.concatenate([wk, ck], 2), jnp.concatenate([wv, cv], 2), sink, FMT.dim ** -0.5)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    assert not np.any(np.asarray(out[0, 0], np.float32)), "a query with no valid key must return 0"
+
+
+def test_window_indices_follow_window_keys(test_seed):
+    q, sink, ring, chunk, entries, start, win_idx, _ = _case(test_seed, 1, False)
+    keys, valid = window_keys(ring, chunk, start, ring.shape[1])
+    idx = window_indices(start, chunk.shape[1], ring.shape[1])
+    np.testing.assert_array_equal(np.asarray(idx >= 0), np.asarray(valid))
+    got, _ = gather_keys(window_rows(ring, chunk), idx, FMT, ring.dtype)
+    np.testing.assert_array_equal(np.asarray(jnp.where(valid[..., None], got, 0), np.float32),
+                                  np.asarray(jnp.where(valid[..., None], keys, 0), np.float32))
+
+
+def test_dequant_main_rows_is_exact(test_seed):
+    kv = _values(jax.random.key(test_seed), (5, 7, FMT.dim))
+    rows = kv_rows.pack_main(kv, CFG)
+    assert rows.shape[-1] == FMT.row_bytes == kv_rows.main_row_bytes(CFG)
+    np.testing.assert_array_equal(np.asarray(dequant_main_rows(rows, FMT).astype(jnp.bfloat16), np.float32),
+                                  np.asarray(kv_rows.unpack_main(rows, CFG), np.float32))
+    assert MainRowFormat().row_bytes == 584
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("H", [8, 1], ids=["64/8-scaled", "64/64-scaled"])
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp8rows"])
+def test_matches_reference(test_seed, implementation, H, compact):
+    q, sink, ring, chunk, entries, start, win_idx, comp_idx = _case(test_seed + H, H, compact)
+    args = (q, sink, window_rows(ring, chunk), win_idx, entries, comp_idx)
+    kw = dict(scale=FMT.dim ** -0.5, row_format=FMT)
+    opts = dict(block_k=4, num_splits=3, interpret=INTERPRET) if implementation == "pallas" else {}
+    got = np.asarray(sparse_mqa_decode(*args, **kw, implementation=implementation, **opts), np.float32)
+    want = np.asarray(sparse_mqa_decode(*args, **kw, implementation="reference"), np.float32)
+    # The split partials round p to bf16 relative to their own max, not the global one (≤ 2^-9 relative per
+    # probability, so ≤ 2^-9·max|v| on the output), and the final bf16 rounding can then land one ulp
+    # (≤ 2^-7·|x|) apart: 2^-6 of the largest |output| covers both.
+    tol = 2.0 ** -6 * float(np.max(np.abs(want)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    assert not np.any(got[0, 0]), "a query with no valid key must return 0"
+
+
+def test_hca_indices_cover_completed_entries():
+    idx = hca_indices(jnp.array([[3, 7, 8]]), 4, 4)
+    np.testing.assert_array_equal(np.asarray(idx), [[[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, -1, -1]]])
