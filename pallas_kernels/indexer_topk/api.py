@@ -1,0 +1,29 @@
+"""Lightning-indexer scoring + top-k: the op contract and backend selection."""
+
+from dsjax.kernels.common import IndexRowFormat, check_implementation
+from dsjax.kernels.indexer_topk import pallas_gpu, reference, xla
+
+
+def indexer_topk(q, weights, keys, n_visible, k: int, *, row_format: IndexRowFormat = IndexRowFormat(),
+                 implementation: str = "xla", tile: int = 4096, **kernel_options):
+    """The top-k visible compressed entries per query, as `index_scores` + `select_topk` of dsjax.layers.indexer.
+
+    q:         [B, Q, nh, dh] fake-quantised index queries (compute dtype; `index_queries`).
+    weights:   [B, Q, nh] per-head weights, already scaled and rounded to the compute dtype
+               (round(x @ weights_proj.T · dh^-½ · nh^-½), as `index_scores` computes them).
+    keys:      [B, N, R] the index-key cache (IndexerState entries): uint8 68-byte FP4 rows (`row_format`) or
+               values [B, N, dh].
+    n_visible: int32 [B, Q]: entries j < n_visible are visible ((q_pos+1)//ratio, `compressed_visible`).
+    Returns (indices int32 [B, Q, k'], valid bool [B, Q, k']), k' = min(k, N): the highest scores, ties to the
+    lower index; picks beyond the visible entries are marked invalid.
+
+    implementation: "reference" | "xla" | "pallas" (Mosaic GPU scoring kernel + two-stage top-k; interpret mode
+    off-GPU). tile: the first top-k stage's width. kernel_options (block_n, interpret) go to the Pallas path only.
+    """
+    impl = check_implementation(implementation)
+    args = (q, weights, keys, n_visible, k)
+    if impl == "reference":
+        return reference.indexer_topk(*args, row_format=row_format)
+    if impl == "xla":
+        return xla.indexer_topk(*args, row_format=row_format, tile=tile)
+    return pallas_gpu.indexer_topk(*args, row_format=row_format, tile=tile, **kernel_options)

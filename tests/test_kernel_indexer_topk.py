@@ -1,0 +1,83 @@
+"""dsjax.kernels.indexer_topk: reference == the model's index_scores + select_topk (ties included); xla and the
+Mosaic GPU scoring kernel (interpret mode on CPU, NaN-poisoned buffers) pick the same entries."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_kernel_sparse_mqa import INTERPRET  # also aliases dsjax.kernels on a stale editable install
+
+from dsjax import kv_rows, quant  # noqa: E402
+from dsjax.kernels.common import IndexRowFormat, dequant_index_rows  # noqa: E402
+from dsjax.kernels.indexer_topk import indexer_topk  # noqa: E402
+from dsjax.kernels.indexer_topk.xla import topk_lower_index  # noqa: E402
+from dsjax.layers.indexer import index_scores, select_topk  # noqa: E402
+from dsjax.layers.linear import matmul  # noqa: E402
+from dsjax.numerics import round_to  # noqa: E402
+
+FMT = IndexRowFormat(dim=64, block=32)           # scaled down from 128 dims (68-byte rows) to 64 (34 bytes)
+CFG = types.SimpleNamespace(index_head_dim=FMT.dim, index_n_heads=8, index_quant_block=FMT.block)
+
+
+def _case(seed, compact, B=2, Q=3, N=200, D=32):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    nh, dh = CFG.index_n_heads, CFG.index_head_dim
+    x = jax.random.normal(ks[0], (B, Q, D), jnp.float32).astype(jnp.bfloat16)
+    w = types.SimpleNamespace(weights_proj=jax.random.normal(ks[1], (nh, D), jnp.float32).astype(jnp.bfloat16))
+    q = quant.fp4_e2m1_sim(jax.random.normal(ks[2], (B, Q, nh, dh), jnp.float32), FMT.block).astype(jnp.bfloat16)
+    keys = quant.fp4_e2m1_sim(jax.random.normal(ks[3], (B, N, dh), jnp.float32), FMT.block).astype(jnp.bfloat16)
+    keys = keys.at[:, 1::4].set(keys[:, 0::4][:, : keys[:, 1::4].shape[1]])   # duplicated rows: exact score ties
+    n_visible = jnp.array([[0, 37, 150], [199, 200, 5]][:B], jnp.int32)[:, :Q]  # incl. a query seeing nothing
+    weights = round_to(matmul(x, w.weights_proj, jnp.bfloat16).astype(jnp.float32)
+                       * (dh ** -0.5 * nh ** -0.5), jnp.bfloat16)
+    stored = kv_rows.pack_index(keys, CFG) if compact else keys
+    return x, w, q, keys, stored, weights, n_visible
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
+def test_reference_is_model_indexer(test_seed, compact):
+    x, w, q, keys, stored, weights, n_visible = _case(test_seed, compact)
+    k = 16
+    got = indexer_topk(q, weights, stored, n_visible, k, row_format=FMT, implementation="reference")
+    scores = index_scores(x, q, keys, w, CFG)
+    visible = jnp.arange(keys.shape[1]) < n_visible[..., None]
+    want = select_topk(scores, visible, k)
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+    assert not np.any(np.asarray(got[1][0, 0])), "a query that sees no entry picks nothing valid"
+
+
+def test_dequant_index_rows_is_exact(test_seed):
+    keys = _case(test_seed, True)[3]
+    rows = kv_rows.pack_index(keys, CFG)
+    assert rows.shape[-1] == FMT.row_bytes and IndexRowFormat().row_bytes == 68
+    np.testing.assert_array_equal(np.asarray(dequant_index_rows(rows, FMT).astype(jnp.bfloat16), np.float32),
+                                  np.asarray(kv_rows.unpack_index(rows, CFG), np.float32))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
+def test_matches_reference(test_seed, implementation, compact):
+    _, _, q, _, stored, weights, n_visible = _case(test_seed + 1, compact)
+    k = 24
+    # Same roundings in the same order: the picks must be identical, ties and invalid slots included.
+    opts = dict(block_n=64, tile=64, interpret=INTERPRET) if implementation == "pallas" else dict(tile=64)
+    got = indexer_topk(q, weights, stored, n_visible, k, row_format=FMT, implementation=implementation, **opts)
+    want = indexer_topk(q, weights, stored, n_visible, k, row_format=FMT, implementation="reference")
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def test_two_stage_topk_at_1m_context(test_seed):
+    """262,144 entries (1M tokens at ratio 4), top-512, scores drawn from 64 values so ties are everywhere."""
+    rng = np.random.default_rng(test_seed)
+    N, k = 262144, 512
+    scores = jnp.asarray(rng.integers(0, 64, (2, N)).astype(np.float32))
+    n_visible = jnp.array([N, 100_000], jnp.int32)
+    got = topk_lower_index(scores, n_visible, k, tile=4096)
+    top, idx = jax.lax.top_k(jnp.where(jnp.arange(N) < n_visible[:, None], scores, -jnp.inf), k)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(idx))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jnp.isfinite(top)))
