@@ -165,7 +165,7 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
         if shardings is None:
             params = init_params(cfg, seed)
         else:
-            params = jax.tree.map(jax.device_put, init_params(cfg, seed, put=np.asarray), shardings)
+            params = jax.tree.map(sharding.put, init_params(cfg, seed, put=np.asarray), shardings)
         return Model(cfg, params, source=f"preset:{path} (random weights, seed {seed})", mesh=mesh, **sizes)
     if os.path.exists(path):
         raise ConfigError(f"{path}: expected a checkpoint directory (config.json + *.safetensors) or an Orbax directory")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
 from dsjax.model import forward_chunk
+from dsjax.sharding import gather_vocab
 from dsjax.sampling import SamplingParams, sample, token_logprobs
 from dsjax.state import DecodeState
 from dsjax.weights import pytree
@@ -67,7 +68,7 @@ def decode_steps(params, carry: LoopCarry, sp: SamplingParams, stop_ids, max_new
     def step(carry):
         active = ~carry.done
         logits, state = forward_chunk(params, cfg, carry.last[:, None], carry.state, active.astype(jnp.int32))
-        logits = logits[:, 0]
+        logits = gather_vocab(logits[:, 0], cfg.sharding)
         tok = sample(logits, sp, carry.state.lengths + 1)
         carry = record(dataclasses.replace(carry, state=state, steps=carry.steps + 1), tok, logits, K, active)
         return dataclasses.replace(carry, done=finish_flags(carry, tok, active, stop_ids, max_new, max_seq))

@@ -22,7 +22,7 @@ from dsjax.model import forward_hidden_chunk, head_logits
 from dsjax.mtp import mtp_hidden
 from dsjax.speculative import Forced, SpecCarry, spec_steps
 from dsjax.sampling import SamplingParams, make_sampling, sample
-from dsjax.sharding import active_mesh, axis_size
+from dsjax.sharding import active_mesh, axis_size, gather_vocab
 from dsjax.state import init_state
 
 
@@ -73,6 +73,7 @@ def _prefill_chunk(params, tokens, next_tokens, state, n_valid, n_mtp, *, cfg: M
 @functools.partial(jax.jit, static_argnames=("cfg", "K", "max_seq"), donate_argnames=("carry",))
 def _first_token(carry: LoopCarry, logits, sp: SamplingParams, stop_ids, max_new, *, cfg, K: int, max_seq: int):
     active = ~carry.done
+    logits = gather_vocab(logits, cfg.sharding)
     tok = sample(logits, sp, carry.state.lengths)
     carry = record(carry, tok, logits, K, active)
     return dataclasses.replace(carry, done=finish_flags(carry, tok, active, stop_ids, max_new, max_seq))

@@ -79,8 +79,9 @@ def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: Deco
     h = constrain(embed(params, cfg, token_ids), cfg.sharding, streams)
     layers, pendings = [], []
     for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
-        h, st, pending = block_forward(h, token_ids, w, cfg, layer, st, start, n_valid, with_pending=True)
-        h = constrain(h, cfg.sharding, streams)
+        with jax.named_scope(f"layer{layer}"):  # readable profiles; tests count collectives per layer
+            h, st, pending = block_forward(h, token_ids, w, cfg, layer, st, start, n_valid, with_pending=True)
+            h = constrain(h, cfg.sharding, streams)
         layers.append(st)
         pendings.append(pending)
     new = constrain_batch(DecodeState(lengths=start + n_valid, layers=tuple(layers), mtp=state.mtp), cfg.sharding)

@@ -247,12 +247,13 @@ def hadamard(x):
     n = x.shape[-1]
     if n <= 0 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
-    y = x.astype(jnp.float32).reshape(-1, n)
+    lead = x.shape[:-1]  # kept unflattened, so a head-sharded x stays sharded
+    y = x.astype(jnp.float32)
     h = 1
     while h < n:
-        y = y.reshape(y.shape[0], n // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = jnp.stack([a + b, a - b], axis=2)
+        y = y.reshape(lead + (n // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = jnp.stack([a + b, a - b], axis=-2)
         h *= 2
     y = y.reshape(x.shape) * np.float32(n ** -0.5)
     return round_to(y, x.dtype)

@@ -27,6 +27,7 @@ from dsjax.config import ModelConfig
 from dsjax.decode import is_stop, run_until_done
 from dsjax.model import commit_chunk, forward_hidden_chunk, head_logits
 from dsjax.mtp import mtp_hidden, mtp_logits
+from dsjax.sharding import gather_vocab
 from dsjax.sampling import SamplingParams, filtered_logprobs, token_logprobs
 from dsjax.weights import pytree
 
@@ -96,7 +97,7 @@ def draft(params, cfg: ModelConfig, carry: SpecCarry, sp: SamplingParams, k: int
     drafts, qs = [], []
     scratch = ring
     for j in range(k):
-        logits = mtp_logits(params, cfg, z)[:, 0]
+        logits = gather_vocab(mtp_logits(params, cfg, z)[:, 0], cfg.sharding)
         q = filtered_logprobs(logits, sp)
         d = jnp.where(greedy, jnp.argmax(logits, -1).astype(jnp.int32), _draw(_key(sp, L + 1 + j, _DRAFT), q))
         drafts.append(d)
@@ -149,7 +150,7 @@ def spec_steps(params, carry: SpecCarry, sp: SamplingParams, stop_ids, max_new, 
             drafts, qs = oracle_draft(oracle, carry, sp, k, cfg.vocab_size)
         chunk = jnp.concatenate([carry.last[:, None], drafts], 1)                 # positions L..L+k
         h, _, pendings = forward_hidden_chunk(params, cfg, chunk, st, jnp.where(active, K1, 0), with_pending=True)
-        logits = head_logits(h, params, cfg, params.hc_head, params.norm)         # [B,k+1,V]
+        logits = gather_vocab(head_logits(h, params, cfg, params.hc_head, params.norm), cfg.sharding)  # [B,k+1,V]
         a, out = accept(logits, drafts, qs, sp, L, forced, carry.steps)
         # cut at the first stop id and at the token budget
         j = jnp.arange(K1)[None]

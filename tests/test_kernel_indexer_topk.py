@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_kernel_sparse_mqa import INTERPRET  # also aliases dsjax.kernels on a stale editable install
+from test_kernel_sparse_mqa import INTERPRET
 
-from dsjax import kv_rows, quant  # noqa: E402
-from dsjax.kernels.common import IndexRowFormat, dequant_index_rows  # noqa: E402
-from dsjax.kernels.indexer_topk import indexer_topk  # noqa: E402
-from dsjax.kernels.indexer_topk.xla import topk_lower_index  # noqa: E402
-from dsjax.layers.indexer import index_scores, select_topk  # noqa: E402
-from dsjax.layers.linear import matmul  # noqa: E402
-from dsjax.numerics import round_to  # noqa: E402
+from dsjax import kv_rows, quant
+from dsjax.kernels.common import IndexRowFormat, dequant_index_rows
+from dsjax.kernels.indexer_topk import indexer_topk
+from dsjax.kernels.indexer_topk.xla import topk_lower_index
+from dsjax.layers.indexer import index_scores, select_topk
+from dsjax.layers.linear import matmul
+from dsjax.numerics import round_to
 
 FMT = IndexRowFormat(dim=64, block=32)           # scaled down from 128 dims (68-byte rows) to 64 (34 bytes)
 CFG = types.SimpleNamespace(index_head_dim=FMT.dim, index_n_heads=8, index_quant_block=FMT.block)

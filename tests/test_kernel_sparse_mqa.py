@@ -1,38 +1,17 @@
 """dsjax.kernels.sparse_mqa: reference == the model's sink_attention; xla and the Mosaic GPU kernel (interpret
 mode on CPU: buffers poisoned with NaN, race detection on) == reference, on fresh random inputs."""
 
-import importlib.util
-import pathlib
-import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-
-def _kernels_package():
-    """`dsjax.kernels` maps to pallas_kernels/ in pyproject.toml; an editable install made before that mapping
-    does not know it, so alias it here rather than fail."""
-    try:
-        import dsjax.kernels  # noqa: F401
-    except ModuleNotFoundError:
-        root = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels"
-        spec = importlib.util.spec_from_file_location("dsjax.kernels", root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["dsjax.kernels"] = mod
-        spec.loader.exec_module(mod)
-
-
-_kernels_package()
-
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
-
-from dsjax import kv_rows, quant  # noqa: E402
-from dsjax.kernels.common import MainRowFormat, dequant_main_rows  # noqa: E402
-from dsjax.kernels.sparse_mqa import hca_indices, sparse_mqa_decode, window_indices, window_rows  # noqa: E402
+from dsjax import kv_rows, quant
+from dsjax.kernels.common import MainRowFormat, dequant_main_rows
+from dsjax.kernels.sparse_mqa import hca_indices, sparse_mqa_decode, window_indices, window_rows
 from dsjax.kernels.sparse_mqa.reference import gather_keys  # noqa: E402
 from dsjax.layers.attention import sink_attention, window_keys  # noqa: E402
 

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print and save figures with their method (never timed tests)."""
