@@ -135,3 +135,67 @@ def gpu_interpret(interpret):
         return None
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.InterpretGPUParams()
+
+
+# ----------------------------------------------------------------------------- stored weight tiles (moe_gemm)
+# Dequantisation of tiles of `dsjax.weights.Linear` weights, stack-free (jnp.stack does not lower in Mosaic GPU):
+# the same code serves the XLA paths on whole stacked weights and the kernels on loaded tiles. Exact in fp32
+# (ue8m0 scales are powers of two, e4m3/e2m1 values need few bits), as `dsjax.quant`'s codecs give them.
+
+
+def _repeat_last(a, r: int):
+    """[..., n] -> [..., n*r], each entry r times (broadcast + reshape, no gather, no stack)."""
+    return jnp.broadcast_to(a[..., None], a.shape + (r,)).reshape(a.shape[:-1] + (a.shape[-1] * r,))
+
+
+def dequant_fp8_weight(codes, scale_u8, block: int):
+    """e4m3 (or its uint8 bytes) [..., out, in] + ue8m0 bytes [..., out/block, in/block] -> fp32 [..., out, in].
+    Tiles must cover whole blocks (out and in multiples of `block`)."""
+    if codes.dtype != jnp.float8_e4m3fn:
+        codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    s = e8m0_to_f32(scale_u8)                                            # [..., no, ni]
+    s = _repeat_last(jnp.swapaxes(_repeat_last(jnp.swapaxes(s, -1, -2), block), -1, -2), block)
+    return codes.astype(jnp.float32) * s
+
+
+def dequant_fp4_weight(packed, scale_u8, block: int):
+    """Packed e2m1 (two codes a byte, low nibble first) [..., out, in/2] + ue8m0 bytes [..., out, in/block]
+    -> fp32 [..., out, in]."""
+    p = _repeat_last(packed.astype(jnp.uint8), 2).astype(jnp.int32)           # byte j//2 at column j
+    odd = jax.lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1) & 1
+    codes = (p >> (odd * 4)) & 0xF
+    return fp4_code_to_f32(codes) * _repeat_last(e8m0_to_f32(scale_u8), block)
+
+
+def dequant_weight(weight, scale, fmt: str, block: int):
+    """A `Linear`'s stored weight (or a tile of it) -> fp32 values; 'bf16'/'f32' weights are just cast."""
+    if fmt == "fp8":
+        return dequant_fp8_weight(weight, scale, block)
+    if fmt == "fp4":
+        return dequant_fp4_weight(weight, scale, block)
+    return weight.astype(jnp.float32)
+
+
+def dequant_index_rows_split(rows, fmt: IndexRowFormat):
+    """uint8 [..., row_bytes] -> (even dims, odd dims), each fp32 [..., dim/2]; exact, no nibble interleave.
+
+    Byte i holds dims 2i (low nibble) and 2i+1 (high nibble), both in scale block 2i // block; used by the
+    Mosaic GPU kernels, which run one product per half instead of interleaving in registers."""
+    lead = rows.shape[:-1]
+    half, nb = fmt.dim // 2, fmt.dim // fmt.block
+    packed = rows[..., :half]
+    scales = e8m0_to_f32(rows[..., half:half + nb])
+    sc = jnp.broadcast_to(scales[..., None], lead + (nb, fmt.block // 2)).reshape(lead + (half,))
+    return tuple(fp4_code_to_f32(c) * sc for c in (packed & 0xF, packed >> 4))
+
+
+def wgmma_smem(shape, dtype):
+    """An SMEM operand buffer for plgpu.wgmma: (8, swizzle/itemsize) tiles + the widest swizzle the minor dim
+    allows (128, 64 or 32 bytes; the minor dim times the itemsize must be one of them or a multiple of 128)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
+    swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
+    if swizzle is None:
+        raise ValueError(f"wgmma operand {shape} {dtype}: minor dim must be a multiple of 32 bytes")
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
