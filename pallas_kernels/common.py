@@ -154,7 +154,8 @@ def dequant_fp8_weight(codes, scale_u8, block: int):
     if codes.dtype != jnp.float8_e4m3fn:
         codes = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
     s = e8m0_to_f32(scale_u8)                                            # [..., no, ni]
-    s = _repeat_last(jnp.swapaxes(_repeat_last(jnp.swapaxes(s, -1, -2), block), -1, -2), block)
+    rows = jnp.broadcast_to(s[..., None, :], s.shape[:-1] + (block, s.shape[-1]))   # no transpose: Mosaic GPU
+    s = _repeat_last(rows.reshape(s.shape[:-2] + (s.shape[-2] * block, s.shape[-1])), block)
     return codes.astype(jnp.float32) * s
 
 

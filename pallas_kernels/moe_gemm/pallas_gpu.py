@@ -76,6 +76,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
             cw = cw_s[0]                                                        # [n]
 
             def step(t, acc):
+                plgpu.commit_smem()   # proxy fence: the last tile's register loads come before TMA overwrites it
                 for j, ((a, axis), (ln, _)) in enumerate(zip(stored, tiles)):
                     src = w_refs[j].at[e, pl.ds(t * ln, ln)] if axis == 1 else \
                         w_refs[j].at[e, pl.ds(0, a.shape[1]), pl.ds(t * ln, ln)]
