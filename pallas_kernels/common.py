@@ -177,25 +177,12 @@ def dequant_weight(weight, scale, fmt: str, block: int):
     return weight.astype(jnp.float32)
 
 
-def dequant_index_rows_split(rows, fmt: IndexRowFormat):
-    """uint8 [..., row_bytes] -> (even dims, odd dims), each fp32 [..., dim/2]; exact, no nibble interleave.
-
-    Byte i holds dims 2i (low nibble) and 2i+1 (high nibble), both in scale block 2i // block; used by the
-    Mosaic GPU kernels, which run one product per half instead of interleaving in registers."""
-    lead = rows.shape[:-1]
-    half, nb = fmt.dim // 2, fmt.dim // fmt.block
-    packed = rows[..., :half]
-    scales = e8m0_to_f32(rows[..., half:half + nb])
-    sc = jnp.broadcast_to(scales[..., None], lead + (nb, fmt.block // 2)).reshape(lead + (half,))
-    return tuple(fp4_code_to_f32(c) * sc for c in (packed & 0xF, packed >> 4))
-
-
-def wgmma_smem(shape, dtype):
+def wgmma_smem(shape, dtype, swizzle=None):
     """An SMEM operand buffer for plgpu.wgmma: (8, swizzle/itemsize) tiles + the widest swizzle the minor dim
     allows (128, 64 or 32 bytes; the minor dim times the itemsize must be one of them or a multiple of 128)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
-    swizzle = next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
+    swizzle = swizzle or next((s for s in (128, 64, 32) if row_bytes % s == 0), None)
     if swizzle is None:
         raise ValueError(f"wgmma operand {shape} {dtype}: minor dim must be a multiple of 32 bytes")
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),

@@ -93,10 +93,9 @@ def lower_for_h200(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_pallas_scoring_lowers_for_h200():
-    """V4 shapes (64 index heads × 128 dims) with bf16 keys lower to one Mosaic GPU kernel for CUDA. Compact FP4
-    rows do not yet (layout inference fails after ~160 s of search; docs/kernels.md), so they are not tried here."""
-    compact = False
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
+def test_pallas_scoring_lowers_for_h200(compact):
+    """V4 shapes (64 index heads × 128 dims, 68-byte FP4 rows or bf16 keys) lower to one Mosaic GPU kernel."""
     from dsjax.kernels.indexer_topk import pallas_gpu
     fmt = IndexRowFormat()
     B, Q, nh, dh, N = 2, 3, 64, 128, 1000

@@ -8,10 +8,12 @@ scores are written back through SMEM. Tiles wholly beyond the query's visible en
 -inf. The top-k runs after the kernel (`xla.topk_lower_index`: per tile, then over the candidates), keeping
 ties on the lower index.
 
-Key sources: bf16 values are TMA-copied straight into the swizzled A buffer. Compact FP4 rows (uint8) are
-copied raw, and dequantised without interleaving the nibbles: low nibbles are the even dims, high nibbles the
-odd dims, so the kernel writes two half-width A tiles and runs two wgmmas into the same accumulator against the
-even / odd dims of q (split in XLA, a [B·Q, nh, dh] copy).
+Key sources: bf16 values are TMA-copied straight into the swizzled A buffer. Compact FP4 rows (uint8, 68 bytes:
+no TMA or tiled layout accepts that stride) are copied as flat 64-byte lines, read back as [block_n, 68] with
+strided register loads, and decoded without interleaving nibbles: per scale block b, the low / high nibbles
+(even / odd dims) go unscaled into two swizzled A tiles of block/2 columns, two wgmmas against the even / odd
+dims of q (split and grouped by block in XLA, a [B·Q, nh, dh] copy) fill the block's product, and the per-row
+scale (a power of two, so this is exact) multiplies it in registers.
 """
 
 import jax
@@ -19,9 +21,51 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsjax.kernels.common import (dequant_index_rows_split, gpu_interpret, pad_axis, round_bf, row_width,
-                                  wgmma_smem)
+from dsjax.kernels.common import e8m0_to_f32, fp4_code_to_f32, gpu_interpret, pad_axis, round_bf, row_width, wgmma_smem
 from dsjax.kernels.indexer_topk.xla import topk_lower_index
+
+
+def _load_view(ref, shape, idx, layout, interpreting):
+    """plgpu.load(ref.reshape(shape).at[idx], layout): a reshaped view of a plain SMEM buffer. Mosaic GPU
+    interpret mode has no ref reshape (`Unsupported transform: ReshapeTransform`), so there the whole buffer is
+    loaded and the value reshaped — the same bytes, the same result."""
+    if interpreting:
+        return ref[...].reshape(shape)[idx]
+    return plgpu.load(ref.reshape(*shape).at[idx], layout=layout)
+
+
+def _fp4_scores(k_bufs, q_s, fmt, block_n, nh, dt, interpreting):
+    """Σ_dims code·scale·q for raw FP4 rows, as Σ_blocks scale[n, b] · (codes_b · q_bᵀ): the codes (exact in
+    bf16) go to SMEM unscaled, each scale block is one pair of K = block/2 wgmmas (even, odd dims), and its
+    per-row scale multiplies the block's product in registers. Exact: scales are powers of two."""
+    flat_s, lo_s, hi_s, stage_s, sc_s = k_bufs
+    rows = (block_n, fmt.row_bytes)
+    half, hb = fmt.dim // 2, fmt.block // 2
+    strided = plgpu.Layout.WG_STRIDED((block_n, hb), vec_size=1)
+    for b in range(fmt.dim // fmt.block):
+        # 68-byte rows allow no tiled layout: load the block's bytes strided, decode, stage them in plain SMEM,
+        # reload in the WGMMA layout and store into the block's swizzled A tile.
+        packed = _load_view(flat_s, rows, (slice(None), slice(b * hb, (b + 1) * hb)), strided,
+                            interpreting).astype(jnp.int32)
+        for dst, codes in ((lo_s, packed & 0xF), (hi_s, packed >> 4)):
+            stage_s[...] = fp4_code_to_f32(codes).astype(dt)
+            dst.at[b][...] = plgpu.load(stage_s, layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()              # generic-proxy stores -> visible to the async (wgmma) proxy
+    total = None
+    for b in range(fmt.dim // fmt.block):
+        def dots(acc_ref):
+            plgpu.wgmma(acc_ref, lo_s.at[b], q_s[0].at[b].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, hi_s.at[b], q_s[1].at[b].transpose((1, 0)))
+            return acc_ref[...]
+
+        part = pl.run_scoped(dots, plgpu.ACC((block_n, nh), jnp.float32))
+        # the scale column has stride 68: strided load -> plain [bn, 1] SMEM -> row-layout vector
+        sc_s[...] = e8m0_to_f32(_load_view(flat_s, rows, (slice(None), slice(half + b, half + b + 1)),
+                                           plgpu.Layout.WG_STRIDED((block_n, 1), vec_size=1), interpreting))
+        sc = _load_view(sc_s, (block_n,), slice(None), plgpu.Layout.WGMMA.reduce(1), interpreting)
+        part = part * jax.lax.broadcast_in_dim(sc, part.shape, [0])
+        total = part if total is None else total + part
+    return total
 
 
 def index_scores(q, weights, keys, n_visible, row_format, *, block_n: int = 128, interpret=None):
@@ -30,23 +74,30 @@ def index_scores(q, weights, keys, n_visible, row_format, *, block_n: int = 128,
     B, Q, nh, dh = q.shape
     N = keys.shape[1]
     assert row_width(keys, row_format) == dh, (keys.shape, row_format, dh)
-    if block_n % 64 or nh % 8:
-        raise ValueError(f"wgmma needs block_n % 64 == 0 and nh % 8 == 0, got {block_n=}, {nh=}")
+    if block_n % 64 or nh % 8 or (keys.dtype == jnp.uint8 and (row_format.block % 16 or
+                                                                block_n * row_format.row_bytes % 64)):
+        raise ValueError(f"wgmma needs block_n % 64 == 0, nh % 8 == 0 (and FP4 scale blocks of 16k dims), got "
+                         f"{block_n=}, {nh=}, {row_format}")
     keys = pad_axis(keys, 1, block_n, 0)        # a copy only when N is not a multiple of block_n
     n_tiles = keys.shape[1] // block_n
     dt = q.dtype
     compact = keys.dtype == jnp.uint8
+    interp = gpu_interpret(interpret)
+    interpreting = interp not in (None, False)
     qr = q.reshape(B * Q, nh, dh)
     if compact:    # the even / odd dims of q meet the low / high nibbles of the packed key bytes
-        qs = (qr[..., 0::2], qr[..., 1::2])
+        nb, hb = dh // row_format.block, row_format.block // 2    # per scale block: [nb, nh, block/2] each
+        qs = tuple(x.reshape(B * Q, nh, nb, hb).transpose(0, 2, 1, 3) for x in (qr[..., 0::2], qr[..., 1::2]))
         a_cols = dh // 2
-        key_scratch = [plgpu.SMEM((block_n, keys.shape[-1]), jnp.uint8),
-                       wgmma_smem((block_n, a_cols), dt), wgmma_smem((block_n, a_cols), dt)]
+        sw = row_format.block // 2 * jnp.dtype(dt).itemsize    # K slices of one scale block = whole swizzle tiles
+        key_scratch = [plgpu.SMEM((block_n * keys.shape[-1] // 64, 64), jnp.uint8),
+                       wgmma_smem((nb, block_n, hb), dt, sw), wgmma_smem((nb, block_n, hb), dt, sw),
+                       plgpu.SMEM((block_n, hb), dt), plgpu.SMEM((block_n, 1), jnp.float32)]
     else:
         qs = (qr,)
         a_cols = dh
         key_scratch = [wgmma_smem((block_n, dh), dt)]
-    q_scratch = [wgmma_smem((nh, a_cols), dt) for _ in qs]
+    q_scratch = [wgmma_smem(x.shape[1:], dt, sw if compact else None) for x in qs]
     nq = len(qs)
 
     def body(*refs):
@@ -61,23 +112,21 @@ def index_scores(q, weights, keys, n_visible, row_format, *, block_n: int = 128,
             for i in range(nq):
                 plgpu.copy_gmem_to_smem(q_refs[i].at[r], q_s[i], bars.at[1 + i])
             plgpu.copy_gmem_to_smem(w_ref.at[r], w_s, bars.at[3])
-            plgpu.copy_gmem_to_smem(k_ref.at[r // Q, pl.ds(t * block_n, block_n)], k_bufs[0], bars.at[4])
+            if compact:   # 68-byte rows break TMA's 16-byte GMEM strides: copy the tile as flat 64-byte lines
+                lines = block_n * row_format.row_bytes // 64
+                src = k_ref.at[r // Q, pl.ds(t * lines, lines)]
+            else:
+                src = k_ref.at[r // Q, pl.ds(t * block_n, block_n)]
+            plgpu.copy_gmem_to_smem(src, k_bufs[0], bars.at[4])
             for i in list(range(1, 1 + nq)) + [3, 4]:
                 plgpu.barrier_wait(bars.at[i])
             if compact:
-                raw_s, a_s = k_bufs[0], k_bufs[1:]
-                for half, vals in zip(a_s, dequant_index_rows_split(raw_s[...], row_format)):
-                    half[...] = vals.astype(dt)
-                plgpu.commit_smem()          # generic-proxy stores -> visible to the async (wgmma) proxy
+                s = _fp4_scores(k_bufs, q_s, row_format, block_n, nh, dt, interpreting)
             else:
-                a_s = k_bufs
-
-            def dots(acc_ref):
-                for a, b in zip(a_s, q_s):
-                    plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(dots, plgpu.ACC((block_n, nh), jnp.float32))           # [bn, nh]
+                def dots(acc_ref):
+                    plgpu.wgmma(acc_ref, k_bufs[0], q_s[0].transpose((1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(dots, plgpu.ACC((block_n, nh), jnp.float32))       # [bn, nh]
             w = plgpu.load(w_s, layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
             s = round_bf(jnp.maximum(round_bf(s, dt), 0) * jax.lax.broadcast_in_dim(w, s.shape, [1]), dt)
             out_s[...] = round_bf(s.sum(axis=1), dt)
@@ -96,8 +145,10 @@ def index_scores(q, weights, keys, n_visible, row_format, *, block_n: int = 128,
         grid=(B * Q, n_tiles), grid_names=("row", "tile"),
         scratch_types=[*q_scratch, plgpu.SMEM((nh,), weights.dtype), plgpu.SMEM((4,), jnp.int32),
                        plgpu.SMEM((block_n,), jnp.float32), plgpu.Barrier(num_barriers=5), *key_scratch],
-        interpret=gpu_interpret(interpret),
+        interpret=interp,
     )
+    if compact:
+        keys = keys.reshape(B, -1, 64)            # free: the same bytes, as 64-byte lines
     scores = kernel(*qs, weights.reshape(B * Q, nh), pad_axis(n_visible.reshape(B * Q, 1).astype(jnp.int32), 1, 4, 0), keys)
     return scores.reshape(B, Q, -1)[..., :N]
 
