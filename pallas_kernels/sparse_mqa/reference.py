@@ -8,7 +8,7 @@ the compute dtype before P·V, the per-head sink only in the denominator, 0 for 
 import jax
 import jax.numpy as jnp
 
-from dsjax.numerics import div_exact, round_to
+from dsjax.layers.attention import sink_attention
 from dsjax.kernels.common import load_rows
 
 
@@ -24,14 +24,4 @@ def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv, comp_idx, *, scal
     if comp_kv is not None:
         c_keys, c_valid = gather_keys(comp_kv, comp_idx, row_format, dt)
         keys, valid = jnp.concatenate([keys, c_keys], axis=2), jnp.concatenate([valid, c_valid], axis=2)
-    logits = jnp.einsum("bqhd,bqkd->bqhk", q.astype(jnp.float32), keys.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST) * scale
-    m = valid[:, :, None, :]
-    logits = jnp.where(m, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(m, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink[None, None, :, None] - row_max)
-    o = jnp.einsum("bqhk,bqkd->bqhd", round_to(p, dt).astype(jnp.float32), keys.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-    return round_to(div_exact(o, denom), dt)
+    return sink_attention(q, keys, valid, sink, scale)  # the model's own definition, not a copy
