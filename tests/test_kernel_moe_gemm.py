@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from interpret_races import assert_no_races
 from test_kernel_sparse_mqa import INTERPRET
 
 from dsjax import quant
@@ -84,19 +85,13 @@ def test_vs_reference(test_seed, impl, fmt, n):
     want = _run(case, "reference", aq)
     got = _run(case, impl, aq)
     if impl == "pallas":
-        _assert_no_races()
+        assert_no_races()
     _check(got, want)
     if n > 1:
         np.testing.assert_array_equal(np.asarray(got)[3], 0.0)    # no local expert -> exactly 0
     assert np.abs(np.asarray(want)).max() > 0
 
 
-def _assert_no_races():
-    try:   # private API (jax 0.11.2): the race detector's verdict on the last interpreted kernel
-        from jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks import get_races
-    except ImportError:
-        return
-    assert not get_races().races_found
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from interpret_races import assert_no_races
 
 from dsjax import kv_rows, quant
 from dsjax.kernels.common import MainRowFormat, dequant_main_rows
@@ -82,6 +83,8 @@ def test_matches_reference(test_seed, implementation, H, compact):
     kw = dict(scale=FMT.dim ** -0.5, row_format=FMT)
     opts = dict(block_k=4, num_splits=3, interpret=INTERPRET) if implementation == "pallas" else {}
     got = np.asarray(sparse_mqa_decode(*args, **kw, implementation=implementation, **opts), np.float32)
+    if implementation == "pallas":
+        assert_no_races()
     want = np.asarray(sparse_mqa_decode(*args, **kw, implementation="reference"), np.float32)
     # The split partials round p to bf16 relative to their own max, not the global one (≤ 2^-9 relative per
     # probability, so ≤ 2^-9·max|v| on the output), and the final bf16 rounding can then land one ulp

@@ -45,6 +45,7 @@ def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 8, num_splits: int
 
         def chunk(c, carry):
             m, l, acc = carry
+            plgpu.commit_smem()   # fence: the last chunk's register reads of rows_s precede the copies over it
             for j in range(block_k):   # one row per copy: the selected entries are scattered over the cache
                 row = jnp.maximum(idx_s[0, c * block_k + j], 0)
                 plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(row, 1)], rows_s.at[pl.ds(j, 1)], bars.at[2 + j])
