@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY312 ?= $(shell for p in $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null) $$(command -v python3.12); do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo "$$p" && break; done)
 VENV ?= .venv
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
 
 .PHONY: venv oracle demo test clean
 
