@@ -18,7 +18,7 @@ from dsjax.layers.hyper_connections import hc_head, hc_post, hc_pre
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rows import per_token
-from dsjax.sharding import active_mesh, axis_size, constrain, constrain_batch
+from dsjax.sharding import active_mesh, axis_size, constrain, constrain_batch, local_ids
 from dsjax.state import DecodeState, LayerState, init_state
 from dsjax.weights import Block, Model
 
@@ -52,11 +52,8 @@ def embed_rows(table, token_ids, cfg: ModelConfig):
         return table[token_ids]
 
     def local(table, ids):
-        rows = table.shape[0]
-        ids = ids - jax.lax.axis_index(vocab) * rows
-        mine = (ids >= 0) & (ids < rows)
-        out = jnp.where(mine[..., None], table[jnp.clip(ids, 0, rows - 1)], 0)
-        return jax.lax.psum(out, vocab)
+        ids, mine = local_ids(ids, vocab, table.shape[0])
+        return jax.lax.psum(jnp.where(mine[..., None], table[ids], 0), vocab)
 
     batch = cfg.sharding.spec(("batch",))
     return jax.shard_map(local, in_specs=(P(vocab), batch), out_specs=batch, check_vma=False)(table, token_ids)

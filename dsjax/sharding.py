@@ -19,6 +19,7 @@ import math
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -87,6 +88,13 @@ def axis_size(mesh, axes: Sequence[str]) -> int:
     return math.prod(sizes[a] for a in axes)
 
 
+def local_ids(ids, axes: Sequence[str], n_local: int):
+    """Inside shard_map, over a dimension split in blocks of `n_local` along `axes`: (ids shifted to this shard and
+    clipped into it, which of them it holds). The embedding and the experts both look up rows this way."""
+    shifted = ids - jax.lax.axis_index(tuple(axes)) * n_local
+    return jnp.clip(shifted, 0, n_local - 1), (shifted >= 0) & (shifted < n_local)
+
+
 def constrain(x, rules: ShardingRules, axes: Sequence[Optional[str]]):
     """`with_sharding_constraint` by logical axes under a mesh; the identity without one."""
     if active_mesh() is None:
@@ -109,11 +117,10 @@ def constrain_batch(tree, rules: ShardingRules):
 
 
 def check_divisible(shape: Sequence[int], spec: P, mesh: Mesh, what: str) -> None:
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     for dim, part in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
         if part is None:
             continue
-        n = math.prod(sizes[a] for a in ((part,) if isinstance(part, str) else part))
+        n = axis_size(mesh, (part,) if isinstance(part, str) else part)
         if dim % n:
             raise ConfigError(f"{what}: dimension {dim} cannot be split {n} ways over mesh axes {part}; "
                               f"choose a tensor-parallel degree that divides it")
@@ -138,5 +145,3 @@ def put(host_array, sharding: NamedSharding):
     return jax.make_array_from_callback(host_array.shape, sharding, lambda index: host_array[index])
 
 
-def batch_sharding(mesh: Mesh, rules: ShardingRules, ndim: int) -> NamedSharding:
-    return NamedSharding(mesh, rules.spec(("batch",) + (None,) * (ndim - 1)))

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import dequantize, einsum_acc32, linear
 from dsjax import quant
-from dsjax.sharding import active_mesh, axis_size
+from dsjax.sharding import active_mesh, axis_size, local_ids
 from dsjax.weights import MoE
 from dsjax.numerics import div_exact, round_to, sigmoid, silu, softmax_exact, softplus, sum_in_order
 
@@ -141,11 +141,8 @@ def expert_parallel(experts, x, weights, ids, w: MoE, cfg: ModelConfig):
     def local(x, weights, ids, w):
         for a in gathered:
             x, weights, ids = (jax.lax.all_gather(v, a, tiled=True) for v in (x, weights, ids))
-        e_local = w.w1.weight.shape[0]
-        shard = jax.lax.axis_index(ep) if ep else 0
-        local_ids = ids - shard * e_local
-        mine = (local_ids >= 0) & (local_ids < e_local)
-        y = experts(x, jnp.where(mine, weights, 0.0), jnp.clip(local_ids, 0, e_local - 1), w, cfg)
+        ids, mine = local_ids(ids, ep, w.w1.weight.shape[0])
+        y = experts(x, jnp.where(mine, weights, 0.0), ids, w, cfg)
         summed = tuple(a for a in ep if a not in gathered)
         for a in gathered:
             y = jax.lax.psum_scatter(y, a, scatter_dimension=0, tiled=True)
