@@ -187,3 +187,71 @@ def wgmma_smem(shape, dtype, swizzle=None):
         raise ValueError(f"wgmma operand {shape} {dtype}: minor dim must be a multiple of 32 bytes")
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                                                 plgpu.SwizzleTransform(swizzle)))
+
+
+# ----------------------------------------------------------------------------- Triton-lowered kernels
+# `pl.pallas_call` kernels lowered through Triton gather rows by index with pointer arithmetic (Hopper's TMA has
+# no gather), which the sparse attention and the active-expert GEMM need. Loads index a whole ref with integer
+# arrays only (broadcast together): that form lowers to one masked pointer load in Triton and runs in the HLO
+# interpreter (which supports all-slice or all-array indexers, not a mix).
+
+
+def triton_interpret(interpret):
+    """`interpret` for Triton-lowered pallas_call: compile on a GPU, the HLO interpreter elsewhere (tests:
+    outputs start as NaN, so an unwritten element shows)."""
+    if interpret is not None:
+        return interpret
+    return jax.default_backend() != "gpu"
+
+
+def triton_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as plt
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def iota(n: int, offset=0):
+    """int32 [n]: offset, offset+1, ... (a Triton make_range)."""
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0) + offset
+
+
+def gather(ref, *index, mask=None):
+    """ref[index] for integer-array indices (broadcast together); masked-off elements read nothing and are 0."""
+    from jax.experimental.pallas import triton as plt
+    return plt.load(ref.at[tuple(index)], mask=mask, other=0 if mask is not None else None)
+
+
+def main_row_pieces(kv_ref, b, rows, ok, fmt: MainRowFormat, width: int, dtype):
+    """Gathered main-KV rows as value pieces [(column, [bk, width] dtype)], straight from the stored layout.
+
+    kv_ref [B, N, R]: uint8 compact rows (e4m3 codes x ue8m0 block scale, rope dims as little-endian bf16 byte
+    pairs) or values (R = d). rows int32 [bk], ok bool [bk] (False: nothing read, zeros). Pieces are `width`
+    columns wide (the FP8 block for compact rows), so no concatenation is needed in the kernel."""
+    r2, m2, cols = rows[:, None], ok[:, None], iota(width)[None, :]
+    if kv_ref.dtype != jnp.uint8:
+        return [(c, gather(kv_ref, b, r2, cols + c, mask=m2).astype(dtype)) for c in range(0, kv_ref.shape[-1], width)]
+    assert width == fmt.block and fmt.nope % width == 0 and fmt.rope % width == 0, (fmt, width)
+    nb = fmt.nope // fmt.block
+    pieces = []
+    for j in range(nb):
+        codes = gather(kv_ref, b, r2, cols + j * fmt.block, mask=m2)
+        scale = e8m0_to_f32(gather(kv_ref, b, rows, fmt.nope + j, mask=ok))
+        vals = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32) * scale[:, None]
+        pieces.append((j * fmt.block, vals.astype(dtype)))
+    base = fmt.nope + nb
+    for c in range(0, fmt.rope, width):
+        lo = gather(kv_ref, b, r2, base + 2 * (cols + c), mask=m2).astype(jnp.uint16)
+        hi = gather(kv_ref, b, r2, base + 2 * (cols + c) + 1, mask=m2).astype(jnp.uint16)
+        pieces.append((fmt.nope + c, jax.lax.bitcast_convert_type(lo | (hi << 8), jnp.bfloat16).astype(dtype)))
+    return pieces
+
+
+def dot_nt(a, b):
+    """a [m, k] · b [n, k]ᵀ -> fp32 [m, n] (IEEE fp32 when the inputs are fp32: no TF32)."""
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b):
+    """a [m, k] · b [k, n] -> fp32 [m, n]."""
+    prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)

@@ -7,3 +7,12 @@ def assert_no_races():
     except ImportError:
         return
     assert not get_races().races_found, "the interpreter's race detector reported a shared-memory race"
+
+
+def mosaic_interpret():
+    """Mosaic GPU interpret mode with NaN-poisoned buffers and the race detector on."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+
+
+INTERPRET = mosaic_interpret()

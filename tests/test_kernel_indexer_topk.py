@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_kernel_sparse_mqa import INTERPRET
+
 
 from dsjax import kv_rows, quant
 from dsjax.kernels.common import IndexRowFormat, dequant_index_rows
@@ -81,16 +81,6 @@ def test_two_stage_topk_at_1m_context(test_seed):
     top, idx = jax.lax.top_k(jnp.where(jnp.arange(N) < n_visible[:, None], scores, -jnp.inf), k)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(idx))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(jnp.isfinite(top)))
-
-
-def lower_for_h200(f, *args):
-    """Lower f for CUDA on this CPU box under an abstract H200 (jax-anchors §8.5): runs the Pallas -> Mosaic GPU
-    lowering (wgmma, SMEM transforms, layout inference) and returns the StableHLO text holding the
-    `mosaic_gpu_v2` custom call. PTX and the cubin are built later, at XLA compile time, by the CUDA plugin."""
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])

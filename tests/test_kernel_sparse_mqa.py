@@ -1,5 +1,6 @@
-"""dsjax.kernels.sparse_mqa: reference == the model's sink_attention; xla and the Mosaic GPU kernel (interpret
-mode on CPU: buffers poisoned with NaN, race detection on) == reference, on fresh random inputs."""
+"""dsjax.kernels.sparse_mqa: reference == the model's sink_attention; xla and the Triton-lowered Pallas kernel
+(the HLO interpreter on CPU: outputs start as NaN, so anything unwritten shows) == reference, on fresh random
+inputs; the kernel lowers for CUDA."""
 
 import types
 
@@ -7,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from interpret_races import assert_no_races
+from lower_h200 import lower_for_h200
 
 from dsjax import kv_rows, quant
 from dsjax.kernels.common import MainRowFormat, dequant_main_rows
@@ -19,7 +19,6 @@ from dsjax.layers.attention import sink_attention, window_keys  # noqa: E402
 # A scaled-down V4 main row: 64 FP8 dims in one 64-block + 64 bf16 rope dims (d = 128, 200-byte rows).
 FMT = MainRowFormat(nope=64, rope=64, block=64)
 CFG = types.SimpleNamespace(nope_head_dim=FMT.nope, kv_quant_block=FMT.block, rope_head_dim=FMT.rope)
-INTERPRET = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
 
 def _values(key, shape):
@@ -28,7 +27,7 @@ def _values(key, shape):
     return jnp.concatenate([quant.fp8_e4m3_sim(kv[..., :FMT.nope], FMT.block), kv[..., FMT.nope:]], -1).astype(jnp.bfloat16)
 
 
-def _case(seed, H, compact, B=2, Q=3, W=8, Nc=24, Kc=13):
+def _case(seed, H, compact, B=2, Q=3, W=8, Nc=40, Kc=37):
     ks = jax.random.split(jax.random.key(seed), 8)
     q = jax.random.normal(ks[0], (B, Q, H, FMT.dim), jnp.float32).astype(jnp.bfloat16)
     sink = jax.random.normal(ks[1], (H,), jnp.float32)
@@ -81,10 +80,8 @@ def test_matches_reference(test_seed, implementation, H, compact):
     q, sink, ring, chunk, entries, start, win_idx, comp_idx = _case(test_seed + H, H, compact)
     args = (q, sink, window_rows(ring, chunk), win_idx, entries, comp_idx)
     kw = dict(scale=FMT.dim ** -0.5, row_format=FMT)
-    opts = dict(block_k=4, num_splits=3, interpret=INTERPRET) if implementation == "pallas" else {}
+    opts = dict(block_k=16, num_splits=3, interpret=True) if implementation == "pallas" else {}
     got = np.asarray(sparse_mqa_decode(*args, **kw, implementation=implementation, **opts), np.float32)
-    if implementation == "pallas":
-        assert_no_races()
     want = np.asarray(sparse_mqa_decode(*args, **kw, implementation="reference"), np.float32)
     # The split partials round p to bf16 relative to their own max, not the global one (≤ 2^-9 relative per
     # probability, so ≤ 2^-9·max|v| on the output), and the final bf16 rounding can then land one ulp
@@ -97,3 +94,16 @@ def test_matches_reference(test_seed, implementation, H, compact):
 def test_hca_indices_cover_completed_entries():
     idx = hca_indices(jnp.array([[3, 7, 8]]), 4, 4)
     np.testing.assert_array_equal(np.asarray(idx), [[[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, -1, -1]]])
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp8rows"])
+def test_pallas_lowers_for_h200(compact):
+    """V4 shapes (64 heads x 512 dims, 584-byte FP8 rows or bf16 values, 6 verify queries) lower to Triton."""
+    from dsjax.kernels.sparse_mqa import pallas_triton
+    fmt = MainRowFormat()
+    B, Q, H, N, K = 2, 6, 64, 4096, 640
+    S = jax.ShapeDtypeStruct
+    kv = S((B, N, fmt.row_bytes), jnp.uint8) if compact else S((B, N, fmt.dim), jnp.bfloat16)
+    text = lower_for_h200(lambda q, kv, idx: pallas_triton.partials(q, kv, idx, fmt, 0.04, interpret=False),
+                          S((B, Q, H, fmt.dim), jnp.bfloat16), kv, S((B, Q, K), jnp.int32))
+    assert "xla.gpu.triton" in text

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 
 from dsjax.kernels.common import MainRowFormat, check_implementation
-from dsjax.kernels.sparse_mqa import pallas_gpu, reference, xla
+from dsjax.kernels.sparse_mqa import pallas_triton, reference, xla
 
 
 def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv=None, comp_idx=None, *, scale: float,
@@ -21,9 +21,9 @@ def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv=None, comp_idx=Non
     Returns [B, Q, H, d] in q.dtype: what `dsjax.layers.attention.sink_attention` gives on the gathered key
     list (window keys, then compressed keys); 0 for a query with no valid key.
 
-    implementation: "reference" (tests), "xla" (gather + dense softmax), "pallas" (Mosaic GPU kernel, split
-    over keys; Mosaic GPU interpret mode off-GPU). kernel_options (block_k, num_splits, interpret) go to the
-    Pallas kernel only.
+    implementation: "reference" (tests), "xla" (gather + dense softmax), "pallas" (Triton-lowered Pallas
+    kernel, split over keys; the HLO interpreter off-GPU). kernel_options (block_k, head_block, num_splits,
+    num_warps, num_stages, interpret) go to the Pallas kernel only.
     """
     impl = check_implementation(implementation)
     args = (q, sink, window_kv, window_idx, comp_kv, comp_idx)
@@ -31,7 +31,7 @@ def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv=None, comp_idx=Non
         return reference.sparse_mqa_decode(*args, scale=scale, row_format=row_format)
     if impl == "xla":
         return xla.sparse_mqa_decode(*args, scale=scale, row_format=row_format)
-    return pallas_gpu.sparse_mqa_decode(*args, scale=scale, row_format=row_format, **kernel_options)
+    return pallas_triton.sparse_mqa_decode(*args, scale=scale, row_format=row_format, **kernel_options)
 
 
 def window_rows(ring, chunk_rows):
