@@ -255,3 +255,29 @@ def dot_nn(a, b):
     """a [m, k] · b [k, n] -> fp32 [m, n]."""
     prec = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def contraction_columns(k0, bk: int, fmt: str):
+    """The input columns one chunk [k0, k0+bk) of a stored weight multiplies, one vector per value piece:
+    packed FP4 bytes hold the even and the odd column of a pair, so they come as two pieces (no interleave)."""
+    if fmt == "fp4":
+        j = iota(bk // 2) + k0 // 2
+        return [2 * j, 2 * j + 1]
+    return [iota(bk) + k0]
+
+
+def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype):
+    """Rows `rows` x chunk [k0, k0+bk) of expert e of a stored `Linear` stack, dequantised in registers, one
+    [len(rows), piece] array per `contraction_columns` piece. FP8: chunks lie inside one scale block (bk divides
+    `block`), so the scale is one value per row; FP4: one ue8m0 byte per `block` columns, gathered per element."""
+    r2 = rows[:, None]
+    if fmt == "fp4":
+        j = (iota(bk // 2) + k0 // 2)[None, :]
+        packed = gather(w_ref, e, r2, j).astype(jnp.int32)
+        scale = e8m0_to_f32(gather(s_ref, e, r2, (2 * j) // block))
+        return [(fp4_code_to_f32(packed & 0xF) * scale).astype(dtype),
+                (fp4_code_to_f32(packed >> 4) * scale).astype(dtype)]
+    vals = gather(w_ref, e, r2, (iota(bk) + k0)[None, :]).astype(jnp.float32)
+    if fmt == "fp8":
+        vals = vals * e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block))[:, None]
+    return [vals.astype(dtype)]

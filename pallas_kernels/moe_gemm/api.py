@@ -1,7 +1,7 @@
 """Routed-expert GEMM (tokens x their active experts): the op contract and backend selection."""
 
 from dsjax.kernels.common import check_implementation
-from dsjax.kernels.moe_gemm import pallas_gpu, reference, xla
+from dsjax.kernels.moe_gemm import pallas_triton, reference, xla
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit: float, act_quant_sim: bool = False,
@@ -19,8 +19,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit: float, act_quant_sim:
     per token the expert outputs are summed in ascending expert order in fp32.
 
     implementation: "reference" (every expert, tests), "xla" (only the active experts: gathered for few tokens,
-    `ragged_dot` for many), "pallas" (Mosaic GPU kernel, one program per active expert; interpret mode
-    off-GPU). kernel_options (block_i, interpret) go to the Pallas kernel only.
+    `ragged_dot` for many), "pallas" (Triton-lowered kernels over (token, pick) pairs grouped by expert, bf16
+    compute; the HLO interpreter off-GPU). kernel_options (block_m, block_i, block_d, block_k, num_warps,
+    num_stages, interpret) go to the Pallas kernel only.
     """
     impl = check_implementation(implementation)
     opts = dict(swiglu_limit=swiglu_limit, act_quant_sim=act_quant_sim, act_quant_block=act_quant_block)
@@ -28,4 +29,4 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit: float, act_quant_sim:
         return reference.moe_gemm(x, weights, ids, w1, w3, w2, **opts)
     if impl == "xla":
         return xla.moe_gemm(x, weights, ids, w1, w3, w2, **opts)
-    return pallas_gpu.moe_gemm(x, weights, ids, w1, w3, w2, **opts, **kernel_options)
+    return pallas_triton.moe_gemm(x, weights, ids, w1, w3, w2, **opts, **kernel_options)
