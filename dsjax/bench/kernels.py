@@ -1,0 +1,260 @@
+"""Kernel timings on one GPU: each op's `pallas` and `xla` paths side by side, against the roofline measured in
+the same run (torch device-to-device copy bandwidth, read + write; torch 8192³ bf16 matmul), with the
+pallas-vs-xla difference checked on the same inputs. Writes one JSON line per measurement.
+
+    python -m dsjax.bench.kernels --out kernels.jsonl                 # every op, the issue's shapes
+    python -m dsjax.bench.kernels --ops moe --sweep --out moe.jsonl   # block-size sweep of one op
+
+Shapes (V4-Flash): sparse MQA decode attention — 64 heads x 512, 584-byte FP8 rows, k+1 = 6 verify queries per
+slot, window 128, at 64k context the CSA layer's 512 picks of 16,384 entries and the HCA layer's 512 entries, at
+1M context (batch 1) 8,192 HCA entries and 512 picks of 262,144; lightning indexer — 64 heads x 128, 68-byte FP4
+keys, 262,144 entries (1M context), top-512; MoE — 256 experts 4096 -> 2048, top-6, FP4 (and FP8, bf16).
+Bytes are what the op must read at least: the distinct rows / experts selected, the queries, the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax import kv_rows, quant
+from dsjax.kernels import indexer_topk, moe_gemm, sparse_mqa
+from dsjax.kernels.common import IndexRowFormat, MainRowFormat
+from dsjax.weights import Linear
+
+
+def torch_roofline() -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s through torch, this run."""
+    try:
+        import torch
+    except ImportError:
+        return {"copy_GBps": None, "matmul_TFLOPs": None, "note": "torch not installed"}
+    src = torch.empty(2 ** 32, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def mean_ms(fn, n=10):
+        for _ in range(3):
+            fn()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / n
+
+    copy_ms = mean_ms(lambda: dst.copy_(src))
+    mm_ms = mean_ms(lambda: a @ b)
+    out = {"copy_GBps": 2 * src.numel() / copy_ms / 1e6, "matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return out
+
+
+def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:
+    """Per-call time of a jitted fn: `calls` dispatches back to back (the device queue stays full), best round."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def rel_diff(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+# ----------------------------------------------------------------------------- sparse MQA decode attention
+
+def mqa_case(key, B: int, N: int, picks: int | None, Q: int = 6, H: int = 64, window: int = 128):
+    """CSA-style (`picks` random entries of N per query) or HCA-style (picks=None: every entry) inputs."""
+    fmt = MainRowFormat()
+    cfg = type("C", (), dict(nope_head_dim=fmt.nope, kv_quant_block=fmt.block, rope_head_dim=fmt.rope))
+    ks = jax.random.split(key, 6)
+
+    def rows(k, n):
+        v = jax.random.normal(k, (B, n, fmt.dim), jnp.float32)
+        v = jnp.concatenate([quant.fp8_e4m3_sim(v[..., :fmt.nope], fmt.block), v[..., fmt.nope:]], -1)
+        return kv_rows.pack_main(v.astype(jnp.bfloat16), cfg)
+
+    q = jax.random.normal(ks[0], (B, Q, H, fmt.dim), jnp.float32).astype(jnp.bfloat16)
+    sink = jax.random.normal(ks[1], (H,), jnp.float32)
+    win = rows(ks[2], window + Q)
+    start = jnp.full((B,), 4 * N, jnp.int32)
+    win_idx = sparse_mqa.window_indices(start, Q, window)
+    comp = rows(ks[3], N)
+    if picks is None:
+        comp_idx = sparse_mqa.hca_indices(start[:, None] + jnp.arange(Q), N, 1)
+    else:
+        comp_idx = jax.random.randint(ks[4], (B, Q, picks), 0, N, jnp.int32)
+    return (q, sink, win, win_idx, comp, comp_idx), fmt
+
+
+def mqa_bytes(args, fmt) -> int:
+    q, _, _, win_idx, _, comp_idx = args
+    distinct = sum(len(np.unique(np.asarray(ix[b]))) for ix in (win_idx, comp_idx) for b in range(q.shape[0]))
+    return distinct * fmt.row_bytes + 2 * q.size * 2
+
+
+def bench_mqa(emit, sweep: bool, smoke: bool = False):
+    cases = [("csa", 2, 256, 64), ("hca", 1, 64, None)] if smoke else [("csa@64k", 32, 16384, 512), ("hca@64k", 32, 512, None), ("csa@64k", 1, 16384, 512),
+             ("hca@64k", 1, 512, None), ("csa@1M", 1, 262144, 512), ("hca@1M", 1, 8192, None),
+             ("hca@1M", 32, 8192, None)]
+    configs = [{}]
+    if sweep:
+        configs += [dict(block_k=bk, head_block=hb, num_warps=w) for bk in (32, 64) for hb in (32, 64) for w in (4, 8)]
+    for name, B, N, picks in cases:
+        args, fmt = mqa_case(jax.random.key(0), B, N, picks)
+        nbytes = mqa_bytes(args, fmt)
+        run = lambda impl, **o: jax.jit(functools.partial(sparse_mqa.sparse_mqa_decode, scale=fmt.dim ** -0.5,
+                                                          row_format=fmt, implementation=impl, **o))
+        xla_fn = run("xla")
+        want = xla_fn(*args)
+        t_xla = time_us(xla_fn, *args)
+        emit(dict(op="sparse_mqa", case=name, batch=B, entries=N, impl="xla", us=t_xla, bytes=nbytes))
+        for opts in configs:
+            try:
+                fn = run("pallas", **opts)
+                err = rel_diff(fn(*args), want)
+                emit(dict(op="sparse_mqa", case=name, batch=B, entries=N, impl="pallas", options=opts,
+                          us=time_us(fn, *args), bytes=nbytes, rel_diff_vs_xla=err, xla_us=t_xla))
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
+                emit(dict(op="sparse_mqa", case=name, impl="pallas", options=opts, error=repr(e)[:500]))
+
+
+# ----------------------------------------------------------------------------- lightning indexer
+
+def bench_indexer(emit, sweep: bool, smoke: bool = False):
+    fmt = IndexRowFormat()
+    N, nh, Q, k = (1024, 64, 6, 64) if smoke else (262144, 64, 6, 512)
+    for B in ((1,) if smoke else (1, 32)):
+        ks = jax.random.split(jax.random.key(1), 3)
+        q = quant.fp4_e2m1_sim(jax.random.normal(ks[0], (B, Q, nh, fmt.dim), jnp.float32), fmt.block)
+        q = q.astype(jnp.bfloat16)
+        w = (jax.random.normal(ks[1], (B, Q, nh), jnp.float32) * 0.1).astype(jnp.bfloat16)
+        keys = kv_rows.pack_index(jax.random.normal(ks[2], (B, N, fmt.dim), jnp.float32).astype(jnp.bfloat16),
+                                  type("C", (), dict(index_head_dim=fmt.dim, index_quant_block=fmt.block)))
+        nv = jnp.full((B, Q), N, jnp.int32)
+        args = (q, w, keys, nv)
+        nbytes = keys.size + q.size * 2
+        run = lambda impl, **o: jax.jit(functools.partial(indexer_topk.indexer_topk, k=k, row_format=fmt,
+                                                          implementation=impl, **o))
+        xla_fn = run("xla")
+        want = xla_fn(*args)
+        t_xla = time_us(xla_fn, *args, calls=5)
+        emit(dict(op="indexer_topk", case="1M", batch=B, entries=N, impl="xla", us=t_xla, bytes=nbytes))
+        for opts in [{}] + ([dict(block_n=64)] if sweep else []):
+            try:
+                fn = run("pallas", **opts)
+                got = fn(*args)
+                same = float(np.mean(np.asarray(got[0]) == np.asarray(want[0])))
+                emit(dict(op="indexer_topk", case="1M", batch=B, entries=N, impl="pallas", options=opts,
+                          us=time_us(fn, *args, calls=5), bytes=nbytes, same_indices_fraction=same, xla_us=t_xla))
+            except Exception as e:  # noqa: BLE001
+                emit(dict(op="indexer_topk", case="1M", batch=B, impl="pallas", options=opts, error=repr(e)[:800]))
+
+
+# ----------------------------------------------------------------------------- MoE expert GEMM
+
+def expert_stack(key, E, out, inn, fmt):
+    """Random expert weights drawn on the device, stored as the checkpoint stores them."""
+    w = jax.random.normal(key, (E, out, inn), jnp.bfloat16) * 0.02
+    if fmt == "fp8":
+        return Linear(*quant.quantize_fp8_blocks(w.astype(jnp.float32), (128, 128)), "fp8", 128)
+    if fmt == "fp4":
+        return Linear(*quant.quantize_fp4_packed(w.astype(jnp.float32), 32), "fp4", 32)
+    return Linear(w, None, "bf16", 128)
+
+
+def moe_bytes(lins, n_distinct: int) -> int:
+    per = sum((l.weight.nbytes + (0 if l.scale is None else l.scale.nbytes)) // l.weight.shape[0] for l in lins)
+    return per * n_distinct
+
+
+def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16")):
+    E, D, I, k = (16, 256, 256, 6) if smoke else (256, 4096, 2048, 6)
+    configs = [{}]
+    if sweep:
+        configs += [dict(block_i=bi, block_d=bi, block_k=bk, num_warps=w)
+                    for bi in (32, 64, 128) for bk in (128, 256) for w in (4, 8)]
+    for fmt in fmts:
+        ks = jax.random.split(jax.random.key(2), 3)
+        lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
+        sizes = (1, 2, 4, 8, 256, 1024) if fmt == "fp4" else (1, 8)
+        sizes = (1, 8) if smoke else sizes
+        for n in sizes:
+            rng = np.random.default_rng(n)
+            ids = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(n)]), jnp.int32)
+            w = jnp.asarray(rng.uniform(0.05, 0.3, (n, k)), jnp.float32)
+            x = jax.random.normal(jax.random.key(n), (n, D), jnp.bfloat16)
+            args = (x, w, ids, *lins)
+            nbytes = moe_bytes(lins, len(np.unique(np.asarray(ids)))) + x.nbytes * 3
+            run = lambda impl, **o: jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=True,
+                                                              act_quant_block=128, implementation=impl, **o))
+            xla_fn = run("xla")
+            want = xla_fn(*args)
+            t_xla = time_us(xla_fn, *args)
+            emit(dict(op="moe_gemm", fmt=fmt, tokens=n, impl="xla", us=t_xla, bytes=nbytes))
+            for opts in (configs if n <= 8 and fmt == "fp4" else [{}]):
+                try:
+                    fn = run("pallas", **opts)
+                    err = rel_diff(fn(*args), want)
+                    emit(dict(op="moe_gemm", fmt=fmt, tokens=n, impl="pallas", options=opts, us=time_us(fn, *args),
+                              bytes=nbytes, rel_diff_vs_xla=err, xla_us=t_xla))
+                except Exception as e:  # noqa: BLE001
+                    emit(dict(op="moe_gemm", fmt=fmt, tokens=n, impl="pallas", options=opts, error=repr(e)[:500]))
+        del lins
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="moe,mqa,indexer", help="comma-separated: moe, mqa, indexer")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of kernel block sizes")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    head = {"benchmark": "kernels", "machine": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+            "command": "python -m dsjax.bench.kernels " + " ".join(argv)}
+    roof = torch_roofline() if jax.default_backend() == "gpu" else {"copy_GBps": None, "matmul_TFLOPs": None}
+    head.update(roof)
+    out = open(args.out, "a") if args.out else None
+
+    def emit(rec):
+        if roof.get("copy_GBps") and "bytes" in rec and "us" in rec:
+            rec["GBps"] = rec["bytes"] / rec["us"] / 1e3
+            rec["of_copy_bw"] = rec["GBps"] / roof["copy_GBps"]
+        if "xla_us" in rec and "us" in rec:
+            rec["speedup_vs_xla"] = rec["xla_us"] / rec["us"]
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    emit(head)
+    bench = {"moe": bench_moe, "mqa": bench_mqa, "indexer": bench_indexer}
+    for op in args.ops.split(","):
+        bench[op](emit, args.sweep, args.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
