@@ -80,6 +80,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from dsjax.serving.config import from_args
+    from dsjax.serving.server import serve
+
+    return serve(from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4-family inference in JAX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -116,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     from dsjax.cli_plan import add_plan_parser
 
     add_plan_parser(sub)
+    from dsjax.serving.config import add_serve_args
+
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC (continuous batching)",
+                        description="Serve HTTP (OpenAI-compatible) and gRPC from one process; see docs/serving.md.")
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
     return p
 
 

@@ -1,1 +1,17 @@
-"""dsjax.serving: gRPC + HTTP front ends, scheduler, host KV store and Redis ownership (installed as dsjax.serving)."""
+"""dsjax.serving: `dsjax serve` — one process serving gRPC and an OpenAI-compatible HTTP API over a
+continuous-batching scheduler (installed as dsjax.serving; see docs/serving.md).
+
+    config.py          ServeConfig and the `serve` flags
+    engine.py          SlotEngine: fixed batch slots over one decode state; rows join and leave between dispatches
+    scheduler.py       the engine thread: bounded queue, admission, chunked prefill, aborts, drain
+    service.py         what both front ends share: model info, chat encoding, prompt limits, submit/abort
+    openai_protocol.py OpenAI request validation (every field supported or refused by name)
+    text.py            incremental detokenization and stop strings
+    http_app.py        /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics
+    grpc_service.py    Engine (Generate, Abort, GetModelInfo), grpc.health.v1, reflection
+    auth.py, metrics.py  API key (constant-time), Prometheus metrics
+    server.py          start-up, warm-up, SIGTERM drain; ServerThread for tests and notebooks
+    proto/             engine.proto and its generated stubs
+
+Nothing here is imported by the model code (design principle 7).
+"""

@@ -1,0 +1,125 @@
+"""`dsjax serve` flags (names users know from vLLM / SGLang) and the one `ServeConfig` they become."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+from dsjax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    model: str = "tiny-v4"
+    served_model_name: str | None = None
+    numerics: str = "reference-bf16"
+    kernels: str = "auto"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    speculative_config: dict | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051            # -1: no gRPC server
+    api_key: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_queue: int = 256
+    prefill_chunk: int = 64
+    steps_per_dispatch: int = 8
+    max_logprobs: int = 20
+    max_request_bytes: int = 4 << 20
+    drain_timeout: float = 30.0
+    default_thinking: bool = True
+    weights_seed: int = 0
+    compilation_cache: str | None = "default"
+    mem_fraction: float | None = None
+    skip_memory_check: bool = False
+    log_level: str = "info"
+
+    def validate(self) -> "ServeConfig":
+        def positive(name, lo=1):
+            if getattr(self, name) < lo:
+                raise ConfigError(f"--{name.replace('_', '-')} must be ≥ {lo}, got {getattr(self, name)}")
+        for name in ("tensor_parallel_size", "data_parallel_size", "max_num_seqs", "max_queue", "prefill_chunk",
+                     "steps_per_dispatch", "max_request_bytes"):
+            positive(name)
+        positive("max_logprobs", 0)
+        if self.max_model_len is not None:
+            positive("max_model_len", 2)
+        if self.max_num_seqs % self.data_parallel_size:
+            raise ConfigError(f"--max-num-seqs {self.max_num_seqs} must be a multiple of --data-parallel-size "
+                              f"{self.data_parallel_size}")
+        if self.speculative_config:
+            raise ConfigError("--speculative-config: the server does not run speculative decoding yet (the on-device "
+                              "MTP loop, dsjax.speculative, is not wired into the slot scheduler); omit the flag")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        for path in (self.ssl_certfile, self.ssl_keyfile):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"TLS file {path} does not exist")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=d.model, help="checkpoint directory or preset name (default: tiny-v4)")
+    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    g.add_argument("--numerics", default=d.numerics, choices=["transformers", "reference-bf16", "reference-fp8"])
+    g.add_argument("--kernels", default=d.kernels, choices=["auto", "pallas", "xla", "reference"])
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="batch slots decoded together")
+    g.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence, prompt + output "
+                   "(default: min(model max, 4096))")
+    g.add_argument("--speculative-config", default=None, help="JSON, as vLLM's; not supported by the server yet")
+    g.add_argument("--weights-seed", type=int, default=d.weights_seed, help="seed of a preset's random weights")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=d.host, help="address of both servers (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=d.port, help="HTTP port (OpenAI API; default 8000)")
+    s.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (default 50051; -1 turns it off)")
+    s.add_argument("--api-key", default=None, help="require this key (HTTP Bearer, gRPC metadata); see --api-key-file")
+    s.add_argument("--api-key-file", default=None, help="read the key from a file (keeps it out of `ps`)")
+    s.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM) for HTTP and gRPC")
+    s.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    s.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests before 429/RESOURCE_EXHAUSTED")
+    s.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request body")
+    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="seconds SIGTERM waits for running requests before aborting them")
+    s.add_argument("--no-thinking", dest="default_thinking", action="store_false",
+                   help="chat requests that do not say otherwise run without thinking (default: thinking on)")
+    s.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    e = p.add_argument_group("engine")
+    e.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="prompt tokens per row per prefill step")
+    e.add_argument("--steps-per-dispatch", type=int, default=d.steps_per_dispatch,
+                   help="decode steps per device dispatch (requests join and leave between dispatches)")
+    e.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest top_logprobs a request may ask")
+    e.add_argument("--compilation-cache", default="default",
+                   help="JAX persistent compilation cache directory ('default': ~/.cache/dsjax/xla; 'none': off)")
+    e.add_argument("--mem-fraction", type=float, default=None, help="device memory share for the fit check")
+    e.add_argument("--skip-memory-check", action="store_true", help="start even if the plan says it does not fit")
+
+
+def from_args(args: argparse.Namespace) -> ServeConfig:
+    key = args.api_key
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+    spec = None
+    if args.speculative_config:
+        try:
+            spec = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not JSON: {e}") from None
+    names = {f.name for f in dataclasses.fields(ServeConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw.update(api_key=key or None, speculative_config=spec)
+    return ServeConfig(**kw).validate()

@@ -1,0 +1,281 @@
+"""OpenAI request bodies -> validated generation parameters, once, at the edge.
+
+Every field is either supported or rejected with a 400 naming it (`ApiError.param`); unknown fields are
+rejected too, so a client never believes a setting took effect when it did not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from typing import Any
+
+from dsjax.serving.engine import RowSampling
+
+
+class ApiError(Exception):
+    """An error a client can act on: HTTP status, OpenAI error type, the offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param)
+
+
+@dataclasses.dataclass
+class Limits:
+    max_model_len: int
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_stop_len: int = 256
+    max_messages: int = 1024
+
+
+@dataclasses.dataclass
+class GenParams:
+    """What one request asks for, validated. `prompt_ids` is filled by the caller after encoding."""
+
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    sampling: RowSampling = RowSampling()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # chat only
+    messages: list[dict] | None = None
+    thinking: bool | None = None
+    reasoning_effort: Any = None
+    tools: list[dict] | None = None
+    # completions only
+    prompt: str | list[int] | None = None
+
+
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+           "stop", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "user", "logit_bias", "logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls", "thinking", "chat_template_kwargs", "reasoning_effort",
+                         "response_format", "store", "metadata"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, *, integer: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
+        raise bad(name, f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise bad(name, f"{name} must lie in [{lo}, {hi}], got {v!r}")
+    return int(v) if integer else float(v)
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _common(body: dict, allowed: set[str], limits: Limits) -> GenParams:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    for name in body:
+        if name not in allowed:
+            raise bad(name, f"Unsupported parameter: {name!r} is not supported by this server")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required: a model id from /v1/models")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise bad(name, f"{name} is not supported yet (only 0)")
+    if _number(body, "n", 1, 1, 128, integer=True) != 1:
+        raise bad("n", "only n=1 is supported; send several requests for several choices")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "logit_bias is not supported")
+    stream = _flag(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed with stream=true")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise bad("stream_options", "stream_options supports only include_usage")
+        include_usage = _flag(opts, "include_usage")
+    seed = body.get("seed")
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+        raise bad("seed", f"seed must be an integer, got {seed!r}")
+    sampling = RowSampling(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                           top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+                           top_k=_number(body, "top_k", 0, -1, 1 << 20, integer=True),
+                           min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=int(seed))
+    if sampling.top_p == 0.0:  # OpenAI allows 0; the sampler needs a non-empty nucleus: 0 means greedy
+        sampling = dataclasses.replace(sampling, temperature=0.0, top_p=1.0)
+    if sampling.top_k < 0:     # vLLM's "-1 = off"
+        sampling = dataclasses.replace(sampling, top_k=0)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else ([] if stop is None else stop)
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("stop", "stop must be a string or a list of strings")
+    if len(stop) > limits.max_stop or any(len(s) > limits.max_stop_len for s in stop):
+        raise bad("stop", f"at most {limits.max_stop} stop strings of up to {limits.max_stop_len} characters")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if len(stop_ids) > limits.max_stop:
+        raise bad("stop_token_ids", f"at most {limits.max_stop} stop token ids")
+    return GenParams(model=model, stream=stream, include_usage=include_usage, sampling=sampling, stop=tuple(stop),
+                     stop_token_ids=tuple(stop_ids))
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], limits: Limits) -> int | None:
+    for name in names:
+        if body.get(name) is not None:
+            v = body[name]
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(name, f"{name} must be an integer, got {v!r}")
+            if v < 1:
+                raise bad(name, f"{name} must be at least 1, got {v}")
+            if v >= limits.max_model_len:
+                raise bad(name, f"{name} is {v}; this model's context is {limits.max_model_len} tokens")
+            return v
+    return None
+
+
+def parse_chat(body: dict, limits: Limits) -> GenParams:
+    p = _common(body, CHAT_FIELDS, limits)
+    p.max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list")
+    if len(messages) > limits.max_messages:
+        raise bad("messages", f"at most {limits.max_messages} messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}]", "each message needs a role: system, developer, user, assistant or tool")
+        content = m.get("content")
+        if isinstance(content, list):  # text parts only
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise bad(f"messages[{i}].content", "only text content parts are supported")
+        elif content is not None and not isinstance(content, str):
+            raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
+    p.messages = [_plain_message(m) for m in messages]
+    p.logprobs = _flag(body, "logprobs")
+    p.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+    if p.top_logprobs and not p.logprobs:
+        raise bad("top_logprobs", "top_logprobs needs logprobs=true")
+    if p.top_logprobs > limits.max_logprobs:
+        raise bad("top_logprobs", f"top_logprobs must be at most {limits.max_logprobs} on this server")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
+                                                  and isinstance(t.get("function"), dict)
+                                                  and isinstance(t["function"].get("name"), str) for t in tools):
+            raise bad("tools", "tools must be a list of {type: function, function: {name, description, parameters}}")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad("tool_choice", "tool_choice supports 'auto' and 'none' (forcing a tool call is not supported)")
+    p.tools = tools if tools and choice != "none" else None
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise bad("response_format", "only response_format {type: text} is supported")
+    p.thinking = _thinking(body)
+    p.reasoning_effort = body.get("reasoning_effort")
+    return p
+
+
+def _plain_message(m: dict) -> dict:
+    out = dict(m)
+    if out.get("role") == "developer":
+        out["role"] = "system"
+    if isinstance(out.get("content"), list):
+        out["content"] = "".join(part["text"] for part in out["content"])
+    if out.get("content") is None:
+        out["content"] = ""
+    return out
+
+
+def _thinking(body: dict) -> bool | None:
+    """DeepSeek's `thinking: {type: enabled|disabled}` and vLLM/SGLang's `chat_template_kwargs.thinking`."""
+    found = None
+    t = body.get("thinking")
+    if t is not None:
+        if not isinstance(t, dict) or t.get("type") not in ("enabled", "disabled"):
+            raise bad("thinking", "thinking must be {\"type\": \"enabled\"} or {\"type\": \"disabled\"}")
+        found = t["type"] == "enabled"
+    kw = body.get("chat_template_kwargs")
+    if kw is not None:
+        if not isinstance(kw, dict) or set(kw) - {"thinking", "enable_thinking"}:
+            raise bad("chat_template_kwargs", "chat_template_kwargs supports only thinking (bool)")
+        for key in ("thinking", "enable_thinking"):
+            if key in kw:
+                if not isinstance(kw[key], bool):
+                    raise bad(f"chat_template_kwargs.{key}", f"{key} must be true or false")
+                if found is not None and found != kw[key]:
+                    raise bad(f"chat_template_kwargs.{key}", "contradicts the thinking field")
+                found = kw[key]
+    return found
+
+
+def reasoning_effort_for(family: str, effort: Any) -> Any:
+    """OpenAI/DeepSeek effort words -> what the family's chat encoding takes. V4: high | max (low and medium
+    map to high, xhigh to max, as DeepSeek's API does). V4.1: low | high | max or an integer in [1, 100]."""
+    if effort is None:
+        return None
+    if family == "v4":
+        mapped = {"minimal": "high", "low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+        if effort not in mapped:
+            raise bad("reasoning_effort", f"reasoning_effort {effort!r}: use low, medium, high, xhigh or max")
+        return mapped[effort]
+    if isinstance(effort, int) and not isinstance(effort, bool):
+        if not 1 <= effort <= 100:
+            raise bad("reasoning_effort", f"a numeric reasoning_effort must lie in [1, 100], got {effort}")
+        return effort
+    mapped = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+    if effort not in mapped:
+        raise bad("reasoning_effort", f"reasoning_effort {effort!r}: use low, medium, high, xhigh, max or 1-100")
+    return mapped[effort]
+
+
+def parse_completion(body: dict, limits: Limits) -> GenParams:
+    p = _common(body, COMPLETION_FIELDS, limits)
+    p.max_tokens = _max_tokens(body, ("max_tokens",), limits) or 16  # OpenAI's default for completions
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt", "prompt is empty")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        pass
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad("prompt", "one prompt per request (a string or a list of token ids)")
+    else:
+        raise bad("prompt", "prompt must be a non-empty string or a list of token ids")
+    p.prompt = prompt
+    lp = body.get("logprobs")
+    if lp is not None:
+        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= min(5, limits.max_logprobs):
+            raise bad("logprobs", f"logprobs must be an integer in [0, {min(5, limits.max_logprobs)}]")
+        p.logprobs, p.top_logprobs = True, lp
+    if _flag(body, "echo"):
+        raise bad("echo", "echo is not supported")
+    if body.get("suffix"):
+        raise bad("suffix", "suffix is not supported")
+    if _number(body, "best_of", 1, 1, 128, integer=True) != 1:
+        raise bad("best_of", "only best_of=1 is supported")
+    return p

@@ -1,0 +1,1 @@
+"""The gRPC API (`engine.proto`) and its generated stubs (committed; see generate.py)."""
