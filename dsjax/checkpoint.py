@@ -23,7 +23,7 @@ from dsjax.config import ModelConfig, load_config
 from dsjax.errors import CheckpointError
 from dsjax.weights import ArrayInfo, Linear, describe, is_info
 
-_AS_IS = {"ape", "attn_sink", "tid2eid", "bias"}
+_AS_IS = {"ape", "attn_sink", "tid2eid", "bias", "bias_vl", "q_weight", "k_weight"}  # V4.1: gate.bias_vl, engram.q/k_weight
 _HC = re.compile(r"\b(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 
 
@@ -138,12 +138,21 @@ def _check(name: str, files, info: ArrayInfo, shape) -> None:
 
 
 def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, ArrayInfo], Any] | None = None,
-              shardings=None, progress: Callable[[int], None] | None = None):
+              shardings=None, progress: Callable[[int], None] | None = None, ignore_vision: bool = False):
     """Assemble the weight tree from `files` (name -> SafetensorsFile), validating every tensor.
+
+    V4.1's vision tower (`vision.*`, `aligner.*`, `image_start/end/newline`) is not part of the weight tree: its
+    tensors are refused with a message naming them, or skipped with `ignore_vision=True` (text-only use).
 
     Without `shardings` each whole tensor goes through `put`. With `shardings` (a NamedSharding per leaf) each
     leaf is built by `jax.make_array_from_callback` from the slices its devices hold, read straight from the
     files: no leaf — least of all a stack of routed experts — is ever assembled whole on the host."""
+    vision = sorted(n for n in files if _is_vision_tensor(n))
+    if vision and not ignore_vision:  # refused before anything is read
+        raise CheckpointError(f"{len(vision)} vision-tower tensor(s) ({', '.join(vision[:3])}"
+                              f"{' ...' if len(vision) > 3 else ''}): the {cfg.name} vision tower (ViT + aligner) "
+                              f"is not implemented in dsjax yet (the V4.1 vision issue); pass ignore_vision=True "
+                              f"to load the text model without them")
     put = put or (lambda a, info: jnp.asarray(a))
     tree = describe(cfg)
     used: set[str] = set()
@@ -192,11 +201,16 @@ def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, Array
         out = jax.tree_util.tree_map_with_path(load, tree, is_leaf=is_info)
     else:
         out = jax.tree_util.tree_map_with_path(load, tree, shardings, is_leaf=is_info)
-    extra = sorted(set(files) - used)
+    extra = sorted(n for n in set(files) - used if not _is_vision_tensor(n))
     if extra:
         raise CheckpointError(f"{len(extra)} unexpected tensor(s) for {cfg.name}: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''}")
     return out
+
+
+def _is_vision_tensor(name: str) -> bool:
+    """V4.1's vision tower and its image-span embeddings (spec §5.3, 266 tensors in the released checkpoint)."""
+    return name.startswith(("vision.", "aligner.")) or name in ("image_start", "image_end", "image_newline")
 
 
 def _index_shape(shape, index: tuple) -> tuple[int, ...]:

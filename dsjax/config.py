@@ -96,6 +96,9 @@ class ModelConfig:
     dspark_n_routed_experts: int = 0
     dspark_n_activated_experts: int = 0
     vision_n_layers: int = 0
+    # V4.1 reference behaviour switch: the official decode path scores ratio-2 index sources against the last
+    # *published* index keys (spec §1 item 3, a bug); False (default) reads each source's own owner's keys
+    reference_index_key_bug: bool = False
     # special tokens
     bos_token_id: int = 0
     eos_token_id: int = 1

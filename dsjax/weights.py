@@ -240,9 +240,10 @@ def _hc_head(cfg: ModelConfig) -> HcHead:
 
 
 def describe(cfg: ModelConfig) -> Model:
-    """The ArrayInfo tree of every weight of `cfg` (V4 family)."""
-    if cfg.family != "v4":
-        raise NotImplementedError(f"{cfg.name}: the V4.1 forward is not implemented yet (family {cfg.family})")
+    """The ArrayInfo tree of every weight of `cfg` (V4.1: `v41_weights.describe41`)."""
+    if cfg.family == "v4.1":
+        from dsjax.v41_weights import describe41
+        return describe41(cfg)
     D, V = cfg.dim, cfg.vocab_size
     mtp = tuple(
         MTP(block=_block(cfg, cfg.n_layers + i), e_proj=_linear(cfg, D, D, (None, None)),

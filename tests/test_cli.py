@@ -65,19 +65,18 @@ def test_info_config_path(capsys):
     assert info["compress_ratios"] == list(dsjax.preset("v4-flash").compress_ratios)
 
 
-def test_info_v41_has_no_weight_tree_yet(capsys):
-    """V4.1's weight tree is not implemented: info still prints the config, with weight_bytes null."""
+def test_info_v41(capsys):
+    """V4.1's weight tree (Engram tables and DSpark included): info prints the config and its weight bytes."""
     rc, out, err = run(capsys, "info", "v4.1-flash")
     assert rc == 0, err
     info = json.loads(out)
-    assert info["family"] == "v4.1" and info["dim"] == 5120 and info["weight_bytes"] is None
-    assert "not implemented" in info["weight_bytes_note"]
+    assert info["family"] == "v4.1" and info["dim"] == 5120 and info["weight_bytes"] == nbytes(dsjax.preset("v4.1-flash"))
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["logits", "--prompt", "hi", "--model", "no-such-model"], "'no-such-model' is neither a directory nor a known preset"),
     (["logits", "--prompt", "hi", "--model", "v4-flash"], "GiB"),
-    (["logits", "--prompt", "hi", "--model", "v4.1-flash"], "not implemented"),
+    (["logits", "--prompt", "hi", "--model", "v4.1-flash"], "GiB"),
     (["info", "no-such-model"], "unknown preset 'no-such-model'"),
     (["info", "/no/such/dir"], "no config.json found"),
 ])

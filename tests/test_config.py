@@ -329,9 +329,10 @@ def test_tiny_weight_bytes_match_init():
     assert jax.tree.structure(weights.abstract(cfg)) == jax.tree.structure(init_params(cfg, 0))
 
 
-def test_describe_v41_is_not_implemented_yet():
-    """The V4.1 weight tree is not written yet: asking for it must say so, not return a V4-shaped tree."""
+def test_describe_v41_is_its_own_tree():
+    """V4.1's weight tree (v41_weights.describe41): no hc_head, CSA2 roles, Engram, DSpark under mtp."""
+    from dsjax.v41_weights import Model41
     cfg = dsjax.preset("v4.1-flash")
-    for fn in (weights.describe, weights.abstract, weights.nbytes):
-        with pytest.raises(NotImplementedError, match="V4.1"):
-            fn(cfg)
+    tree = weights.describe(cfg)
+    assert isinstance(tree, Model41) and not hasattr(tree, "hc_head")
+    assert weights.nbytes(cfg) > 500e9
