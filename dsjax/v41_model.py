@@ -1,0 +1,124 @@
+"""The V4.1 forward pass (spec §3.8): Engram, staggered single-pass mHC, CSA2 attention, MoE, no hc_head.
+
+`forward_chunk41` advances every row of a batch by one chunk at its own position (`state.lengths[b]`), the first
+`n_valid[b]` tokens real — prefill chunks and decode steps alike, as V4's `model.forward_chunk`. `forward41` is
+the full-sequence case. Staggered mHC: each sub-layer's `pre` collapses the streams for the *next* sub-layer's
+input, so a block takes and returns `pre_mix` [b,s,n] (one-hot on copy 0 before layer 0), and the final
+collapse uses the last block's FFN `pre`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ModelConfig
+from dsjax.layers.csa2 import attention41
+from dsjax.layers.engram import engram, hash_ids, next_history
+from dsjax.layers.hyper_connections import _mixes, hc_post, sinkhorn_split
+from dsjax.layers.moe import moe
+from dsjax.layers.norms import rms_norm
+from dsjax.layers.rows import per_token
+from dsjax.numerics import materialize, round_to, sum_in_order
+from dsjax.v41_state import State41, init_state41
+from dsjax.v41_weights import Block41, Model41
+
+
+def mixes(h, mix, cfg: ModelConfig):
+    """(pre, post, comb) of one sub-layer from the stream h [b,s,n,D] (rsqrt statistic with norm_eps)."""
+    _, m = _mixes(h, mix.fn, cfg.norm_eps)
+    return sinkhorn_split(m, mix, cfg)
+
+
+def collapse(h, pre):
+    """Σ_j pre_j·h_j in fp32 (torch's order over the copies), cast to h's dtype. h [b,s,n,D], pre [b,s,n]."""
+    return round_to(sum_in_order(materialize(pre[..., None] * h.astype(jnp.float32)), axis=-2), h.dtype)
+
+
+def block41(h, pre_mix, token_ids, w: Block41, cfg: ModelConfig, layer: int, st, shared: dict, start, n_valid):
+    """One V4.1 block. Returns (h [b,t,n,D], pre_mix for the next block, new layer state)."""
+    def attn_input(h, pre_mix):
+        pre, post, comb = mixes(h, w.hc_attn, cfg)
+        return rms_norm(collapse(h, pre_mix), w.attn_norm, cfg.norm_eps), pre, post, comb
+
+    def ffn_part(x, residual, post, comb, attn_pre, ids):
+        h = hc_post(x, residual, post, comb)
+        ffn_pre, post, comb = mixes(h, w.hc_ffn, cfg)
+        y = moe(rms_norm(collapse(h, attn_pre), w.ffn_norm, cfg.norm_eps), ids, w.ffn, cfg)
+        return hc_post(y, h, post, comb), ffn_pre
+
+    x, attn_pre, post, comb = per_token(cfg, attn_input, h, pre_mix)
+    x, st = attention41(x, w.attn, cfg, layer, st, shared, start, n_valid)
+    out, ffn_pre = per_token(cfg, ffn_part, x, h, post, comb, attn_pre, token_ids)
+    return out, ffn_pre, st
+
+
+def embed41(params: Model41, cfg: ModelConfig, token_ids):
+    from dsjax.model import embed_rows
+
+    h = embed_rows(params.embed, token_ids, cfg).astype(jnp.dtype(cfg.compute_dtype))
+    h = jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
+    pre_mix = jnp.zeros(h.shape[:3], jnp.float32).at[..., 0].set(1.0)
+    return h, pre_mix
+
+
+def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State41, n_valid=None, *,
+                     teacher=None, collect=False):
+    """token_ids [B,T] at positions state.lengths[b]+t -> (final collapsed stream y [B,T,D], new state).
+
+    `teacher` = (h_in [L,B,T,n,D], pre_in [L,B,T,n], use bool [L]) replaces block l's input (h, pre_mix) by
+    (h_in[l], pre_in[l]) where use[l] (teacher forcing from saved block outputs; traced, so one compile serves
+    every choice); `collect` also returns every block's (h, pre_mix) output, stacked."""
+    B, T = token_ids.shape
+    n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
+    start = state.lengths
+    row_ids = hash_ids(cfg, state.engram_history, token_ids) if cfg.engram_layer_ids else None
+    h, pre_mix = embed41(params, cfg, token_ids)
+    sources = {layer: st.source for layer, st in enumerate(state.layers) if st.source is not None}
+    last_source = max(sources) if sources else None
+    shared = {"sources": sources, "topk": None, "candidates": None,
+              "index_keys": sources[last_source].index_keys if sources else None}
+    layers, outputs = [], []
+    for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
+        with jax.named_scope(f"layer{layer}"):
+            if teacher is not None:
+                h_in, pre_in, use = teacher
+                h = jnp.where(use[layer], h_in[layer].astype(h.dtype), h)
+                pre_mix = jnp.where(use[layer], pre_in[layer].astype(jnp.float32), pre_mix)
+            if w.engram is not None:
+                k = cfg.engram_layer_ids.index(layer)
+                h = per_token(cfg, lambda h, ids: engram(h, ids, w.engram, cfg), h, row_ids[:, :, k])
+            h, pre_mix, st = block41(h, pre_mix, token_ids, w, cfg, layer, st, shared, start, n_valid)
+        layers.append(st)
+        outputs.append((h, pre_mix))
+    history = next_history(state.engram_history, token_ids, n_valid)
+    new = State41(lengths=start + n_valid, layers=tuple(layers), engram_history=history)
+    y = per_token(cfg, collapse, h, pre_mix)
+    if collect:
+        return y, new, (jnp.stack([o[0] for o in outputs]), jnp.stack([o[1] for o in outputs]))
+    return y, new
+
+
+def head_logits41(y, params: Model41, cfg: ModelConfig):
+    """RMSNorm -> fp32 head (the reference keeps the head weight in fp32). y [b,s,D] -> [b,s,V] float32."""
+    def head(y):
+        y = rms_norm(y, params.norm, cfg.norm_eps)
+        return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+
+    return per_token(cfg, head, y)
+
+
+def forward_chunk41(params: Model41, cfg: ModelConfig, token_ids, state: State41, n_valid=None):
+    """Logits float32 [B,T,V] of one chunk, and the advanced state."""
+    y, state = forward_hidden41(params, cfg, token_ids, state, n_valid)
+    return head_logits41(y, params, cfg), state
+
+
+def forward41(params: Model41, cfg: ModelConfig, token_ids, positions=None, max_seq: int | None = None):
+    """Full-sequence logits float32 [b, s, V] (or [b, len(positions), V]); caches sized for `max_seq` tokens."""
+    b, s = token_ids.shape
+    y, _ = forward_hidden41(params, cfg, token_ids, init_state41(cfg, b, max(s, max_seq or s)))
+    if positions is not None:
+        y = y[:, jnp.asarray(positions)]
+    return head_logits41(y, params, cfg)

@@ -1,0 +1,120 @@
+"""V4.1 decode: our chunked decode equals our full forward (fp32 `transformers` preset, bit for bit), and the
+reference presets' decode follows the goldens — the corrected index-key path against the `_fixed` arrays, and
+`reference_index_key_bug=True` against the official (buggy) ones, diverging from prefill where the reference does.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsjax import checkpoint
+from dsjax.config import load_config
+from dsjax.v41_model import forward_chunk41
+from dsjax.v41_state import init_state41
+from golden_cases import discover
+
+CASES = discover("v4.1")
+pytestmark = pytest.mark.skipif(not CASES, reason="no V4.1 golden case in tests/data/goldens")
+STEPS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def load(numerics: str, bug: bool = False):
+    case = CASES[0]
+    cfg = load_config(case.path).with_numerics(numerics).replace(reference_index_key_bug=bug)
+    return case, cfg, checkpoint.load_params(case.path, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _chunk(params, ids, state, n_valid, *, cfg):
+    return forward_chunk41(params, cfg, ids, state, n_valid)
+
+
+def test_v41_decode_equals_prefill_fp32(test_seed):
+    """Prefill 29 tokens (a ratio-2 group left open), 8 single decode steps, then a 3-token verify block: every
+    logit equals the one-chunk forward of the whole sequence. Two compiled shapes: a 40-token chunk (full forward,
+    prefill and verify block through n_valid) and a 1-token step."""
+    _, cfg, params = load("transformers")
+    rng = np.random.default_rng(test_seed)
+    ids = rng.integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
+    T, max_seq = 40, 80
+
+    def run(state, tokens, n):
+        padded = np.zeros((2, tokens.shape[1] if tokens.shape[1] == 1 else T), np.int32)
+        padded[:, : tokens.shape[1]] = tokens
+        logits, state = _chunk(params, jnp.asarray(padded), state, jnp.full((2,), n, jnp.int32), cfg=cfg)
+        return np.asarray(logits)[:, :n], state
+
+    full, _ = run(init_state41(cfg, 2, max_seq), ids, T)
+    got, state = run(init_state41(cfg, 2, max_seq), ids[:, :29], 29)
+    pieces = [got]
+    for p in range(29, 37):
+        got, state = run(state, ids[:, p:p + 1], 1)
+        pieces.append(got)
+    got, state = run(state, ids[:, 37:40], 3)
+    pieces.append(got)
+    ours = np.concatenate(pieces, axis=1)
+    print(f"decode vs full forward: max|Δ| {np.abs(ours - full).max():.3g} (logit std {full.std():.2f})")
+    assert np.array_equal(ours, full)
+    assert int(state.lengths[0]) == 40
+
+
+@functools.lru_cache(maxsize=None)
+def decode_run(bug: bool) -> dict:
+    """Prompt prefilled as one 300-token chunk (n_valid = its length), then the golden's 8 decoded tokens fed one by
+    one; also our full forward over prompt + tokens (same 300-token shape where it fits)."""
+    case, cfg, params = load("reference-bf16", bug)
+    gold, inputs = case.golden("bf16"), case.inputs()
+    suffix = "" if bug else "_fixed"
+    out = {}
+    for prompt in ("short", "long"):
+        ids = inputs[f"{prompt}_tokens"].astype(np.int32)
+        toks = gold[f"{prompt}/decode_tokens{suffix}"].astype(np.int32)
+        n = ids.shape[1]
+        chunk = np.zeros((2, 300), np.int32)
+        chunk[:, :n] = ids
+        _, state = _chunk(params, jnp.asarray(chunk), init_state41(cfg, 2, 320), jnp.full((2,), n, jnp.int32), cfg=cfg)
+        steps = []
+        for k in range(STEPS):
+            logits, state = _chunk(params, jnp.asarray(toks[:, k:k + 1]), state, jnp.ones((2,), jnp.int32), cfg=cfg)
+            steps.append(np.asarray(logits)[:, 0])
+        out[prompt] = np.stack(steps)                                                   # [steps, b, V]
+    # our own full forward of short prompt + 8 tokens (one chunk from an empty state)
+    ids = np.concatenate([inputs["short_tokens"], gold[f"short/decode_tokens{suffix}"][:, :STEPS]], 1).astype(np.int32)
+    chunk = np.zeros((2, 300), np.int32)
+    chunk[:, : ids.shape[1]] = ids
+    full, _ = _chunk(params, jnp.asarray(chunk), init_state41(cfg, 2, 320), jnp.full((2,), ids.shape[1], jnp.int32), cfg=cfg)
+    n = inputs["short_tokens"].shape[1]
+    out["short_full"] = np.moveaxis(np.asarray(full)[:, n:n + STEPS], 1, 0)
+    return out
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["fixed", "reference_index_key_bug"])
+@pytest.mark.parametrize("prompt", ["short", "long"])
+def test_v41_decode_logits(bug, prompt):
+    """Our decode steps against the reference's: `_fixed` arrays for the corrected path, the official ones with
+    the bug switch. Tolerance: the prefill tolerance of test_golden_v41 (1-ulp chaos of this tiny model)."""
+    case, _, _ = load("reference-bf16", bug)
+    gold = case.golden("bf16")
+    ref = gold[f"{prompt}/decode_logits{'' if bug else '_fixed'}"]
+    ours = decode_run(bug)[prompt]
+    per_step = np.abs(ours - ref).max(axis=(1, 2))
+    agree = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
+    print(f"{prompt} {'bug' if bug else 'fixed'}: decode max|Δ| per step {np.round(per_step, 3).tolist()}, "
+          f"argmax agreement {agree:.0%}")
+    assert np.median(per_step) <= 1.5 and per_step.max() <= 2.5 and agree >= 0.75
+
+
+def test_v41_index_key_bug_switch_diverges_where_the_reference_does():
+    """Fixed: our decode equals our full forward of the same tokens. With the bug switch, decode departs from it
+    at the first step whose ratio-2 group is still open (step 1 for the 37-token prompt, position 38), as the
+    reference's own decode departs from its recompute (goldens README §6)."""
+    fixed, buggy = decode_run(False), decode_run(True)
+    gap_fixed = np.abs(fixed["short"] - fixed["short_full"]).max(axis=(1, 2))
+    gap_bug = np.abs(buggy["short"] - buggy["short_full"]).max(axis=(1, 2))
+    print(f"decode vs own full forward, fixed: {np.round(gap_fixed, 3).tolist()}, bug: {np.round(gap_bug, 3).tolist()}")
+    assert gap_fixed.max() <= 0.05  # bf16 preset: XLA's GEMMs round by row count; the fp32 preset is exact
+    assert gap_bug[0] <= 0.05 and gap_bug[1] > 0.5
