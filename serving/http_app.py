@@ -103,7 +103,7 @@ class _Responder:
         if self.text.stopped:
             self.finish = "stop"
         elif out.finish_reason is not None:
-            self.finish = {"abort": "stop", "error": "error"}.get(out.finish_reason, out.finish_reason)
+            self.finish = out.finish_reason  # stop | length | abort | error
             self.error = out.error
             delta += self.text.flush()
         return delta, entries, self.finish is not None

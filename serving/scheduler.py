@@ -113,6 +113,11 @@ class Scheduler:
             self._cv.notify()
             return True
 
+    def request_ids(self) -> list[str]:
+        """Requests waiting or running, oldest first."""
+        with self._cv:
+            return list(self._by_id)
+
     def queue_depth(self) -> int:
         return len(self._waiting)
 
