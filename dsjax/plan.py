@@ -34,15 +34,19 @@ GPUS = {
 }
 
 CATEGORIES = ("attention", "indexer", "compressors", "router", "routed experts", "shared expert",
-              "embedding", "head", "mHC + norms", "MTP")
+              "embedding", "head", "mHC + norms", "MTP", "Engram tables", "Engram projections", "DSpark")
 
 
 _ROUTED = re.compile(r"\.ffn\.w[123]\.")
 
 
-def _category(path: str) -> str:
+def _category(path: str, family: str = "v4") -> str:
     if path.startswith(".mtp"):
-        return "MTP"
+        return "DSpark" if family == "v4.1" else "MTP"
+    if ".engram.embed." in path:
+        return "Engram tables"
+    if ".engram." in path:
+        return "Engram projections"
     if path.startswith(".embed"):
         return "embedding"
     if path.startswith(".head"):
@@ -107,9 +111,17 @@ def weight_plan(cfg: ModelConfig, mesh) -> dict:
     tree = describe(cfg)
     rules, sizes = cfg.sharding, dict(zip(mesh.axis_names, mesh.axis_sizes))
     per_device = dict.fromkeys(CATEGORIES, 0)
-    total = backbone = mtp = dense_elems = 0
+    total = backbone = mtp = engram = dense_elems = 0
+    devices = sizes["dp"] * sizes["tp"]
     for path, info in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)[0]:
         key = jax.tree_util.keystr(path)
+        cat = _category(key, cfg.family)
+        full = math.prod(info.shape) * np.dtype(info.dtype).itemsize
+        if cat == "Engram tables":  # rows split over every device, the last shard padded (the reference's layout)
+            per_device[cat] += -(-info.shape[0] // devices) * (full // info.shape[0])
+            total += full
+            engram += math.prod(info.shape) if info.logical_shape or info.dtype != jnp.uint8 else 0
+            continue
         spec = rules.spec(info.axes)
         try:
             sharding.check_divisible(info.shape, spec, mesh, key)
@@ -117,30 +129,35 @@ def weight_plan(cfg: ModelConfig, mesh) -> dict:
             raise ConfigError(f"{cfg.name}, dp={sizes['dp']} tp={sizes['tp']}: {e} (tp values that divide every "
                               f"tp-split dimension: {', '.join(map(str, _valid_tp(tree, rules)))})") from None
         split = math.prod(sizes[a] for part in spec if part for a in ((part,) if isinstance(part, str) else part))
-        full = math.prod(info.shape) * np.dtype(info.dtype).itemsize
-        cat = _category(key)
         per_device[cat] += full // split
         total += full
         if info.logical_shape or not jnp.issubdtype(info.dtype, jnp.integer):  # not scales, not tid2eid
             n = math.prod(info.logical_shape or info.shape)
-            mtp, backbone = (mtp + n, backbone) if cat == "MTP" else (mtp, backbone + n)
+            mtp, backbone = (mtp + n, backbone) if cat in ("MTP", "DSpark") else (mtp, backbone + n)
         if info.logical_shape and np.dtype(info.dtype).itemsize == 1 and not _ROUTED.search(key):
             dense_elems = max(dense_elems, math.prod(info.logical_shape) // split)  # FP8 Linear, dequantised per matmul
     return {"per_device": per_device, "per_device_total": sum(per_device.values()), "global_total": total,
-            "logical_params": {"backbone": backbone, "mtp": mtp, "total": backbone + mtp},
+            "logical_params": {"backbone": backbone, "mtp": mtp, "engram": engram, "total": backbone + mtp + engram},
             "largest_dense_elems": dense_elems}
 
 
 def state_plan(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict:
-    """Bytes of the decode state of `batch` slots (with the MTP ring), by kind, from `init_state`'s shapes."""
-    from dsjax.state import init_state
-    shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, with_mtp=True))
+    """Bytes of the decode state of `batch` slots (with the MTP ring), by kind, from `init_state`'s shapes
+    (V4.1: `init_state41`: KV sources' caches, Engram token history; no DSpark rings yet)."""
+    if cfg.family == "v4.1":
+        from dsjax.v41_state import init_state41
+        shapes = jax.eval_shape(lambda: init_state41(cfg, batch, max_seq_len))
+    else:
+        from dsjax.state import init_state
+        shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, with_mtp=True))
     out = dict.fromkeys(("window rings", "compressed main KV", "index keys", "compressor buffers", "lengths"), 0)
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         key, n = jax.tree_util.keystr(path), x.size * x.dtype.itemsize
         kind = ("window rings" if key.endswith(".window") else "lengths" if key == ".lengths" else
-                "index keys" if ".index.entries" in key else "compressed main KV" if key.endswith(".entries")
-                else "compressor buffers")
+                "Engram history" if key == ".engram_history" else
+                "index keys" if ".index.entries" in key or key.endswith(".index_keys") else
+                "compressed main KV" if key.endswith(".entries") else "compressor buffers")
+        out.setdefault(kind, 0)
         out[kind] += n
     return {"per_device": out, "per_device_total": sum(out.values())}
 
@@ -148,6 +165,8 @@ def state_plan(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict:
 def kv_layout(cfg: ModelConfig) -> dict:
     """Cache rows as `init_state` allocates them, and KV bytes per token per layer kind and in total."""
     dt = np.dtype(cfg.compute_dtype).itemsize
+    if cfg.family == "v4.1":
+        return _v41_kv_layout(cfg, dt)
     main_c, idx_c = kv_rows.main_rows_compact(cfg), kv_rows.index_rows_compact(cfg)
     main = kv_rows.main_row_bytes(cfg) if main_c else cfg.head_dim * dt
     idx = kv_rows.index_row_bytes(cfg) if idx_c else cfg.index_head_dim * dt
@@ -200,9 +219,10 @@ def workspace(cfg: ModelConfig, mesh, slots: int, max_seq_len: int, dense_elems:
     def step(T, prefill):
         attn = 0
         for ratio in {cfg.layer_ratio(i) for i in range(cfg.n_layers)}:
-            K = min(cfg.index_topk, L // 4) if ratio == 4 else (L // ratio if ratio else 0)
+            topk = ratio == 4 or (cfg.family == "v4.1" and ratio > 0)  # V4.1: every compressed layer picks top-k
+            K = min(cfg.index_topk, L // ratio) if topk else (L // ratio if ratio else 0)
             a = B * T * (W + K) * (d * dt + row) + 2 * B * T * H * (W + K) * 4
-            attn = max(attn, a + (B * T * IH * (L // 4) * 4 if ratio == 4 else 0))
+            attn = max(attn, a + (B * T * IH * (L // ratio) * 4 if topk else 0))
         rows = B * T * k * token_gather
         experts = rows * E * D * dt + 2 * E * I * D * dt if rows >= E else rows * I * D * dt
         moe = experts + rows * (4 * D + 12 * I)
@@ -236,6 +256,23 @@ def _v41_kv(cfg: ModelConfig) -> dict:
     return {"global_bytes_per_token": per, "source": "model spec §4.2 (paper layout; not what dsjax allocates)"}
 
 
+def _v41_kv_layout(cfg: ModelConfig, dt: int) -> dict:
+    """V4.1 caches as `init_state41` allocates them: compute-dtype rows (FP4/FP8-rounded values, not packed yet)
+    at the KV sources only; Reuse and Reindex layers read their source's."""
+    main, idx = cfg.head_dim * dt, cfg.index_head_dim * dt
+    kinds: dict[str, dict] = {}
+    for layer in cfg.kv_source_layers:
+        ratio = cfg.layer_ratio(layer)
+        k = kinds.setdefault(f"csa2 source (ratio {ratio})", {"layers": 0, "main": main / ratio, "index": idx / ratio})
+        k["layers"] += 1
+    fmt = f"{cfg.compute_dtype} values"
+    return {"main_row": {"bytes": main, "format": fmt}, "index_row": {"bytes": idx, "format": fmt},
+            "bytes_per_token": kinds,
+            "global_bytes_per_token": sum(k["layers"] * (k["main"] + k["index"]) for k in kinds.values()),
+            "paper_bytes_per_token": _v41_kv(cfg)["global_bytes_per_token"],
+            "window_bytes_per_sequence": cfg.n_layers * cfg.window_size * main}
+
+
 def plan(cfg_or_preset, tp: int = 1, dp: int = 1, ep="tp", max_seq_len: int = 4096, batch: int = 8, *,
          numerics: str | None = None, mem_fraction: float | None = None, gpus=tuple(GPUS)) -> dict:
     """Per-device memory of serving `batch` sequences of up to `max_seq_len` tokens on a dp x tp mesh.
@@ -259,12 +296,6 @@ def plan(cfg_or_preset, tp: int = 1, dp: int = 1, ep="tp", max_seq_len: int = 40
            "mesh": {"dp": dp, "tp": tp, "devices": dp * tp, "experts_over": list(rules.experts)},
            "batch": batch, "batch_slots": slots, "slots_per_device": slots // dp, "max_seq_len": max_seq_len,
            "memory_policy": policy, "notes": []}
-    if cfg.family != "v4":
-        out.update(weights=None, state=None, workspace=None, kv_layout=_v41_kv(cfg), per_device_total=None,
-                   gpus=None)
-        out["notes"].append(f"{cfg.name}: V4.1 weights and decode state are not described in dsjax yet "
-                            f"(weights.describe raises NotImplementedError); only the spec's KV bytes/token is shown")
-        return out
     mesh = AbstractMesh((dp, tp), sharding.MESH_AXES)
     w = weight_plan(cfg, mesh)
     st = state_plan(cfg, slots // dp, max_seq_len)
@@ -277,6 +308,13 @@ def plan(cfg_or_preset, tp: int = 1, dp: int = 1, ep="tp", max_seq_len: int = 40
         fits.append({"gpu": name, "total_bytes": mem, "budget_bytes": budget, "fits": total <= budget,
                      "headroom_bytes": budget - total, "source": source})
     out.update(weights=w, state=st, kv_layout=kv_layout(cfg), workspace=ws, per_device_total=total, gpus=fits)
+    if cfg.family == "v4.1":
+        out["notes"] += [
+            f"Engram tables counted with their rows split over all {dp * tp} devices (ceil, as the reference pads "
+            f"its last shard); dsjax's lookup still holds them whole per device (the sharded lookup is not written)",
+            f"KV caches as allocated: {cfg.compute_dtype} rows holding FP4/FP8-rounded values; the paper's packed "
+            f"layout needs {kv_layout(cfg)['paper_bytes_per_token']:g} B/token (spec §4.2)",
+            "DSpark weights included; its decode state (3 window rings) is not allocated yet"]
     out["notes"] += [
         "weights as dsjax holds them: wo_a dequantised to bf16 (FP8 in the checkpoint), tid2eid int32 (int64)",
         f"workspace is an estimate of the XLA path's largest temporaries ({ws['phase']}), not a measurement",
@@ -302,7 +340,9 @@ def format_plan(p: dict) -> str:
         return "\n".join(lines)
     w, st, ws, kv = p["weights"], p["state"], p["workspace"], p["kv_layout"]
     lp = {k: v / 1e9 for k, v in w["logical_params"].items()}
-    lines.append(f"parameters: {lp['backbone']:.2f}B backbone + {lp['mtp']:.2f}B MTP = {lp['total']:.2f}B")
+    draft = "DSpark" if p["family"] == "v4.1" else "MTP"
+    engram = f" + {lp['engram']:.2f}B Engram tables" if lp.get("engram") else ""
+    lines.append(f"parameters: {lp['backbone']:.2f}B backbone + {lp['mtp']:.2f}B {draft}{engram} = {lp['total']:.2f}B")
     lines.append("per device (GB = 10^9 bytes)")
     lines.append(f"weights{'':<27}{_gb(w['per_device_total'])}   (all devices hold {_gb(w['global_total']).strip()})")
     lines += [f"  {c:<32}{_gb(b)}" for c, b in w["per_device"].items() if b]
