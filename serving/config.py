@@ -31,6 +31,7 @@ class ServeConfig:
     prefill_chunk: int = 64
     steps_per_dispatch: int = 8
     max_logprobs: int = 20
+    prefix_cache_entries: int = 8
     max_request_bytes: int = 4 << 20
     drain_timeout: float = 30.0
     default_thinking: bool = True
@@ -48,6 +49,7 @@ class ServeConfig:
                      "steps_per_dispatch", "max_request_bytes"):
             positive(name)
         positive("max_logprobs", 0)
+        positive("prefix_cache_entries", 0)
         if self.max_model_len is not None:
             positive("max_model_len", 2)
         if self.max_num_seqs % self.data_parallel_size:
@@ -101,6 +103,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="prompt tokens per row per prefill step")
     e.add_argument("--steps-per-dispatch", type=int, default=d.steps_per_dispatch,
                    help="decode steps per device dispatch (requests join and leave between dispatches)")
+    e.add_argument("--prefix-cache-entries", type=int, default=d.prefix_cache_entries,
+                   help="recent prompts whose decode-state row is kept for reuse (0: off); each costs one slot's state")
     e.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest top_logprobs a request may ask")
     e.add_argument("--compilation-cache", default="default",
                    help="JAX persistent compilation cache directory ('default': ~/.cache/dsjax/xla; 'none': off)")

@@ -24,6 +24,7 @@ from dsjax.decode import LoopCarry, decode_steps
 from dsjax.model import forward_hidden_chunk, head_logits
 from dsjax.sampling import SamplingParams, sample, token_logprobs
 from dsjax.sharding import gather_vocab
+from dsjax.serving.prefix_cache import PrefixCache, put_row, take_row
 from dsjax.state import init_state
 
 
@@ -81,7 +82,8 @@ class SlotEngine:
     alternatives (one compiled program for every request; a row keeps the first `top_logprobs` of them)."""
 
     def __init__(self, model, *, slots: int, prefill_chunk: int = 64, steps_per_dispatch: int = 8,
-                 max_top_logprobs: int = 20, stop_token_ids: tuple[int, ...] | None = None):
+                 max_top_logprobs: int = 20, stop_token_ids: tuple[int, ...] | None = None,
+                 prefix_cache_entries: int = 0):
         self.model, self.cfg, self.params = model, model.cfg, model.params
         self.slots, self.max_seq = slots, model.max_seq_len
         self.chunk, self.steps, self.max_top = prefill_chunk, steps_per_dispatch, max_top_logprobs
@@ -103,23 +105,37 @@ class SlotEngine:
         self.remaining = np.zeros(slots, np.int32)                # tokens the row may still generate
         self.wants_top = np.zeros(slots, np.int32)                # top-logprob alternatives per row
         self._pending_reset = np.zeros(slots, bool)
+        self._pending_insert: dict[int, object] = {}                # slot -> cached row state to start from
+        self._full_prompt: list[np.ndarray | None] = [None] * slots
+        self.cache = PrefixCache(prefix_cache_entries)
 
     # ---- rows joining and leaving ----
 
     def free_slots(self) -> list[int]:
         return [b for b in range(self.slots) if self.prompt[b] is None and not self.decoding[b]]
 
-    def join(self, slot: int, prompt: list[int], max_new_tokens: int, sampling: RowSampling, top_logprobs: int = 0):
-        """Put a request into a free slot; its prompt is prefilled by the next `prefill_step` calls."""
+    def join(self, slot: int, prompt: list[int], max_new_tokens: int, sampling: RowSampling,
+             top_logprobs: int = 0) -> int:
+        """Put a request into a free slot; its prompt is prefilled by the next `prefill_step` calls.
+        Returns how many prompt tokens come from the prefix cache (not prefilled again)."""
         assert self.prompt[slot] is None and not self.decoding[slot], f"slot {slot} is busy"
-        self.prompt[slot] = np.asarray(prompt, np.int32)
+        full = np.asarray(prompt, np.int32)
+        cached, row = self.cache.lookup(full)
+        self._full_prompt[slot] = full
+        self.prompt[slot] = full[cached:]
         self.remaining[slot] = max_new_tokens
         self.wants_top[slot] = top_logprobs
         self._temperature[slot], self._top_p[slot] = sampling.temperature, sampling.top_p
         self._top_k[slot], self._min_p[slot] = sampling.top_k, sampling.min_p
         self._keys[slot] = np.asarray(jax.random.key_data(jax.random.PRNGKey(sampling.seed % 2**32)))
         self._sp = None
-        self._pending_reset[slot] = True
+        if row is None:
+            self._pending_reset[slot] = True
+            self._pending_insert.pop(slot, None)
+        else:
+            self._pending_reset[slot] = False
+            self._pending_insert[slot] = row
+        return cached
 
     def leave(self, slot: int) -> None:
         """Stop a row now (abort, stop string): it no longer advances; its cache is reset when the slot is reused."""
@@ -134,6 +150,8 @@ class SlotEngine:
         self.prompt = [None] * self.slots
         self.decoding[:] = False
         self._pending_reset[:] = False
+        self._pending_insert.clear()
+        self.cache.clear()
 
     def busy(self) -> bool:
         return bool(self.decoding.any()) or any(p is not None for p in self.prompt)
@@ -156,6 +174,9 @@ class SlotEngine:
                 self.state = _reset_rows(self.state, jnp.asarray(self._pending_reset), cfg=self.cfg,
                                          max_seq=self.max_seq)
                 self._pending_reset[:] = False
+            for b, row in self._pending_insert.items():
+                self.state = put_row(self.state, row, jnp.int32(b))
+            self._pending_insert.clear()
             C = self.chunk
             tokens = np.zeros((self.slots, C), np.int32)
             n_valid = np.zeros(self.slots, np.int32)
@@ -170,6 +191,9 @@ class SlotEngine:
                 self.prompt[b] = self.prompt[b][C:] if b not in ended else None
             if not ended:
                 return []
+            if self.cache.capacity:
+                for b in ended:
+                    self.cache.store(self._full_prompt[b], take_row(self.state, jnp.int32(b)))
             mask = np.zeros(self.slots, bool)
             mask[ended] = True
             self.last = jnp.where(jnp.asarray(mask), tok, self.last)
@@ -219,8 +243,11 @@ class SlotEngine:
 
     def warm_up(self) -> None:
         """Compile every program serving runs (row reset, prefill chunk, decode dispatch) before reporting ready."""
-        self.join(0, [self.cfg.bos_token_id], 2, RowSampling())
-        self.prefill_step()
-        self.decoding[0], self.remaining[0] = True, 1  # even if the first token was a stop id
-        self.decode_step()
-        self.leave(0)
+        bos = self.cfg.bos_token_id
+        for prompt in ([bos], [bos, bos]) if self.cache.capacity else ([bos],):  # the second one hits the cache
+            self.join(0, prompt, 2, RowSampling())
+            self.prefill_step()
+            self.decoding[0], self.remaining[0] = True, 1  # even if the first token was a stop id
+            self.decode_step()
+            self.leave(0)
+        self.cache.clear()

@@ -116,15 +116,17 @@ class EngineServicer(pb_grpc.EngineServicer):
                            for lp, top in zip(out.logprobs[:k], out.top[:k])] if request.top_logprobs else []
                     yield pb.GenerateResponse(request_id=rid, chunk=pb.Chunk(
                         token_ids=out.tokens[:k], text=delta, logprobs=lps,
-                        usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n)))
+                        usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n, cached_tokens=out.cached_tokens)))
                 if done:
                     finished = True
                     reason = pb.STOP_STRING if text.stopped else _FINISH.get(out.finish_reason, pb.STOP)
                     end = time.monotonic()
                     rate = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
                     yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
-                        finish_reason=reason, usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n),
-                        ttft_s=(first or end) - t0, tokens_per_s=rate, kv_source="recompute"))
+                        finish_reason=reason, usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
+                                                             cached_tokens=out.cached_tokens),
+                        ttft_s=(first or end) - t0, tokens_per_s=rate,
+                        kv_source="local" if out.cached_tokens else "recompute"))
                     if text.stopped:
                         svc.abort(rid, "stop")
                     return

@@ -88,9 +88,11 @@ class _Responder:
         self.reasoning_tokens = 0
         self._in_reasoning = thinking
         self.tool_calls = 0
+        self.cached_tokens = 0
 
     def consume(self, out: RequestOutput):
         """-> (new text, logprob entries, finished) for one scheduler output."""
+        self.cached_tokens = out.cached_tokens
         used_before = self.text.tokens_used
         delta = self.text.add(out.tokens)
         n = self.text.tokens_used - used_before
@@ -116,7 +118,7 @@ class _Responder:
     def usage(self) -> dict:
         n = self.text.tokens_used
         u = {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n,
-             "prompt_tokens_details": {"cached_tokens": 0}}
+             "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if self.chat:
             u["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return u

@@ -11,7 +11,8 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class Metrics:
-    """TTFT, TPOT, end-to-end latency, queue time, tokens, requests by finish reason, queue depth, running slots."""
+    """TTFT, TPOT, end-to-end latency, queue time, tokens, prefix-cache hits, requests by finish reason, queue
+    depth, running slots."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -29,6 +30,12 @@ class Metrics:
         self.generation_tokens = Counter("dsjax_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("dsjax_requests", "Finished requests", ["finish_reason"], registry=r)
         self.rejected = Counter("dsjax_rejected_requests", "Requests refused before admission", ["reason"], registry=r)
+        self.prefix_cache_queries = Counter("dsjax_prefix_cache_queries", "Admissions that looked up the prefix cache",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("dsjax_prefix_cache_hits", "Admissions that started from a cached prefix",
+                                         registry=r)
+        self.cached_prompt_tokens = Counter("dsjax_prompt_tokens_cached", "Prompt tokens not prefilled again",
+                                            registry=r)
         self.queue_depth = Gauge("dsjax_queue_depth", "Requests waiting for a slot", registry=r)
         self.running = Gauge("dsjax_running_slots", "Batch slots holding a request", registry=r)
         self.slots = Gauge("dsjax_batch_slots", "Batch slots (max-num-seqs)", registry=r)

@@ -39,6 +39,7 @@ class RequestOutput:
     top: list[list[tuple[int, float]]]
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 @dataclasses.dataclass
@@ -54,6 +55,7 @@ class Request:
     first_token_at: float | None = None
     generated: int = 0
     slot: int | None = None
+    cached_tokens: int = 0
 
 
 class OutputStream:
@@ -183,7 +185,7 @@ class Scheduler:
                         pass
             if req.slot is not None:
                 self.engine.leave(req.slot)
-            self._finish(req, RequestOutput([], [], [], finish_reason=reason))
+            self._finish(req, RequestOutput([], [], [], finish_reason=reason, cached_tokens=req.cached_tokens))
 
     def _admit(self) -> None:
         for slot in self.engine.free_slots():
@@ -193,10 +195,14 @@ class Scheduler:
                 req = self._waiting.popleft()
             req.slot = slot
             self._slot_owner[slot] = req
-            self.engine.join(slot, req.prompt, req.max_tokens, req.sampling, req.top_logprobs)
+            req.cached_tokens = self.engine.join(slot, req.prompt, req.max_tokens, req.sampling, req.top_logprobs)
             if self.metrics:
                 self.metrics.queue_time.observe(time.monotonic() - req.arrival)
                 self.metrics.prompt_tokens.inc(len(req.prompt))
+                self.metrics.prefix_cache_queries.inc()
+                if req.cached_tokens:
+                    self.metrics.prefix_cache_hits.inc()
+                    self.metrics.cached_prompt_tokens.inc(req.cached_tokens)
 
     def _handle(self, outputs: list[StepOutput]) -> None:
         now = time.monotonic()
@@ -211,7 +217,8 @@ class Scheduler:
                     self.engine.leave(o.slot)
                     break
             n = len(tokens)
-            out = RequestOutput(tokens, o.logprobs[:n], o.top[:n], finish_reason=finished)
+            out = RequestOutput(tokens, o.logprobs[:n], o.top[:n], finish_reason=finished,
+                                cached_tokens=req.cached_tokens)
             if req.first_token_at is None and n:
                 req.first_token_at = now
                 if self.metrics:

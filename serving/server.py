@@ -42,6 +42,7 @@ def check_memory(cfg: ServeConfig, model_cfg, max_model_len: int) -> str:
     need = p.get("per_device_total")
     if need is None:
         return f"memory check skipped: {'; '.join(p['notes'])}"
+    need += cfg.prefix_cache_entries * p["state"]["per_device_total"] // p["slots_per_device"]  # cached rows
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
     if stats.get("bytes_limit"):
@@ -50,7 +51,8 @@ def check_memory(cfg: ServeConfig, model_cfg, max_model_len: int) -> str:
         have, where = _host_available(), "host memory available"
         have = int(have * mem_policy(cfg.mem_fraction)["mem_fraction"]) if cfg.mem_fraction else have
     msg = (f"plan: {need / 1e9:.2f} GB per device for {cfg.max_num_seqs} sequences x {max_model_len} tokens "
-           f"(weights, decode state, workspace); {where}: {have / 1e9:.2f} GB")
+           f"(weights, decode state, workspace, {cfg.prefix_cache_entries} prefix-cache rows); "
+           f"{where}: {have / 1e9:.2f} GB")
     if need > have and not cfg.skip_memory_check:
         raise ConfigError(f"--max-num-seqs {cfg.max_num_seqs} x --max-model-len {max_model_len} does not fit: {msg}. "
                           "Lower either, add devices (--tensor-parallel-size), or pass --skip-memory-check")
@@ -103,7 +105,8 @@ def build(cfg: ServeConfig, model=None):
     metrics = Metrics(cfg.model_id)
     metrics.slots.set(cfg.max_num_seqs)
     engine = SlotEngine(model, slots=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
-                        steps_per_dispatch=cfg.steps_per_dispatch, max_top_logprobs=cfg.max_logprobs)
+                        steps_per_dispatch=cfg.steps_per_dispatch, max_top_logprobs=cfg.max_logprobs,
+                        prefix_cache_entries=cfg.prefix_cache_entries)
     scheduler = Scheduler(engine, max_queue=cfg.max_queue, metrics=metrics)
     info = ModelInfo(id=cfg.model_id, source=model.source, family=family, max_model_len=model.max_seq_len,
                      max_num_seqs=cfg.max_num_seqs, vocab_size=model.cfg.vocab_size, eos_token_id=model.cfg.eos_token_id)

@@ -24,7 +24,7 @@ from dsjax.serving.server import ServerThread, build
 pytestmark = pytest.mark.xdist_group("serving")
 
 KEY = "test-key-0123456789"
-SLOTS, STEPS, MAX_LEN, TOP, NEW = 4, 16, 128, 5, 12
+SLOTS, STEPS, MAX_LEN, TOP, NEW = 4, 16, 128, 5, 8
 
 
 @pytest.fixture(scope="module")
@@ -181,19 +181,19 @@ def test_grpc_reflection_generate_equals_offline(served, offline):
 def test_openai_chat_stream_usage_logprobs_stop(served, client):
     model, st = served
     messages = [{"role": "user", "content": "Name three rivers."}]
-    full = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=10, temperature=0,
+    full = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=3, extra_body={"thinking": {"type": "disabled"}})
     choice = full.choices[0]
-    assert choice.finish_reason in ("length", "stop") and full.usage.completion_tokens == 10
-    assert len(choice.logprobs.content) == 10 and all(len(c.top_logprobs) == 3 for c in choice.logprobs.content)
+    assert choice.finish_reason in ("length", "stop") and full.usage.completion_tokens == 8
+    assert len(choice.logprobs.content) == 8 and all(len(c.top_logprobs) == 3 for c in choice.logprobs.content)
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in choice.logprobs.content)
     # the same request streamed: same text; the usage chunk has no choices and comes last
     chunks = list(client.chat.completions.create(
-        model="tiny-v4", messages=messages, max_tokens=10, temperature=0, stream=True,
+        model="tiny-v4", messages=messages, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"chat_template_kwargs": {"thinking": False}}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in chunks[:-1])
     # thinking on: the text goes to reasoning_content (no </think> from random weights)
     thought = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=6, temperature=0)
@@ -202,7 +202,7 @@ def test_openai_chat_stream_usage_logprobs_stop(served, client):
     # stop: a string from the middle of the greedy text ends the output before it
     cut = text[len(text) // 2:len(text) // 2 + 3]
     if cut.strip():
-        stopped = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=10, temperature=0,
+        stopped = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=8, temperature=0,
                                                  stop=[cut], extra_body={"thinking": {"type": "disabled"}})
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == text[:text.find(cut)]
@@ -266,3 +266,16 @@ def test_bad_input_gets_right_status_and_server_keeps_serving(served, base):
         assert c.get(base + "/health").json() == {"status": "ok"}
         metrics = c.get(base + "/metrics").text
         assert "dsjax_time_to_first_token_seconds_count" in metrics and "dsjax_running_slots 0.0" in metrics
+
+
+def test_prefix_cache_continues_a_conversation(served, client):
+    """The next turn extends the last prompt: its state row is reused (cached_tokens), the output is unchanged."""
+    model, st = served
+    first = PROMPTS[5][:18]
+    turn = first + [5, 6, 7, 8]
+    client.completions.create(model="tiny-v4", prompt=first, max_tokens=2, temperature=0)
+    r = client.completions.create(model="tiny-v4", prompt=turn, max_tokens=NEW, temperature=0, logprobs=1)
+    assert r.usage.prompt_tokens_details.cached_tokens == len(first)
+    offline = model.generate([turn] + PROMPTS[1:SLOTS], NEW, temperature=0.0, steps_per_dispatch=STEPS,
+                             logprobs=TOP)[0]
+    assert r.choices[0].logprobs.tokens == [st.svc.tokenizer.decode([t]) for t in offline.tokens]
