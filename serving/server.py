@@ -224,8 +224,18 @@ async def _run(cfg: ServeConfig, svc: Service, t0: float) -> None:
     log.info("stopped")
 
 
+def _log_to_stderr(level: str) -> None:
+    """Our own handler: the root logger may already be configured by an imported library (basicConfig no-ops)."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(level.upper())
+
+
 def serve(cfg: ServeConfig) -> int:
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(cfg.log_level)
     t0 = time.perf_counter()
     svc = build(cfg)
     asyncio.run(_run(cfg, svc, t0))
