@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax import checkpoint, orbax_io, sharding
+from dsjax import checkpoint, kernel_choice, orbax_io, sharding
 from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, preset
 from dsjax.errors import ConfigError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
@@ -69,8 +69,18 @@ class Model:
         seed (int or one per prompt), stop_token_ids (default: EOS), logprobs (top-k count), speculative,
         num_draft_tokens, steps_per_dispatch, prefill_chunk."""
         with self._on_mesh():
-            return generate(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
+            gens = generate(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
                             max_seq=self.max_seq_len, max_batch=self.max_batch)
+        for g in gens:
+            g.stats["kernels"] = self.kernel_choices()
+        return gens
+
+    def kernel_choices(self) -> dict[str, list[str]]:
+        """The implementation each op ran with, per shape, under this model's `kernels` setting (see
+        dsjax.kernel_choice; also logged on the `dsjax.kernels` logger)."""
+        mode = f"kernels={self.cfg.kernels} "
+        return {op: [c for c in cs if c.startswith(mode)] for op, cs in kernel_choice.choices().items()
+                if any(c.startswith(mode) for c in cs)}
 
     def stream(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> Iterator[list[list[int]]]:
         """Same arguments as `generate`; yields the new tokens of every row once per device dispatch."""

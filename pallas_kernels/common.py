@@ -257,27 +257,33 @@ def dot_nn(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def contraction_columns(k0, bk: int, fmt: str):
-    """The input columns one chunk [k0, k0+bk) of a stored weight multiplies, one vector per value piece:
-    packed FP4 bytes hold the even and the odd column of a pair, so they come as two pieces (no interleave)."""
-    if fmt == "fp4":
-        j = iota(bk // 2) + k0 // 2
-        return [2 * j, 2 * j + 1]
-    return [iota(bk) + k0]
+def fp4_code_to_bf16_exact(c):
+    """e2m1 code (sign in bit 3) -> fp32 built from its bits (integer ops only: cheaper than float selects in a
+    kernel): e == 0 -> 0.5·m, else (1 + m/2)·2^(e-1); the same values as `fp4_code_to_f32`, signed zeros too."""
+    c = c.astype(jnp.int32)
+    m, e = c & 1, (c >> 1) & 3
+    bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22)) | ((c >> 3) << 31)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
 
 
 def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype):
-    """Rows `rows` x chunk [k0, k0+bk) of expert e of a stored `Linear` stack, dequantised in registers, one
-    [len(rows), piece] array per `contraction_columns` piece. FP8: chunks lie inside one scale block (bk divides
-    `block`), so the scale is one value per row; FP4: one ue8m0 byte per `block` columns, gathered per element."""
+    """Rows `rows` x chunk [k0, k0+bk) of expert e of a stored `Linear` stack as (input columns, values
+    [len(rows), len(columns)] in dtype, scale per row fp32 or None) triples: out += (x[:, cols] · valuesᵀ) · scale.
+
+    The ue8m0 scale (a power of two) multiplies the product, not the weights: exact, and one multiply per output
+    instead of one per weight. FP8: a chunk lies inside one scale block (bk divides `block`). FP4: one piece per
+    scale block and nibble: even columns (low nibbles) and odd columns (high nibbles), never interleaved."""
     r2 = rows[:, None]
     if fmt == "fp4":
-        j = (iota(bk // 2) + k0 // 2)[None, :]
-        packed = gather(w_ref, e, r2, j).astype(jnp.int32)
-        scale = e8m0_to_f32(gather(s_ref, e, r2, (2 * j) // block))
-        return [(fp4_code_to_f32(packed & 0xF) * scale).astype(dtype),
-                (fp4_code_to_f32(packed >> 4) * scale).astype(dtype)]
-    vals = gather(w_ref, e, r2, (iota(bk) + k0)[None, :]).astype(jnp.float32)
-    if fmt == "fp8":
-        vals = vals * e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block))[:, None]
-    return [vals.astype(dtype)]
+        out = []
+        for b0 in range(0, bk, block):
+            j = iota(block // 2) + (k0 + b0) // 2
+            packed = gather(w_ref, e, r2, j[None, :]).astype(jnp.int32)
+            scale = e8m0_to_f32(gather(s_ref, e, rows, (k0 + b0) // block))
+            out.append((2 * j, fp4_code_to_bf16_exact(packed & 0xF).astype(dtype), scale))
+            out.append((2 * j + 1, fp4_code_to_bf16_exact(packed >> 4).astype(dtype), scale))
+        return out
+    cols = iota(bk) + k0
+    vals = gather(w_ref, e, r2, cols[None, :]).astype(dtype)
+    scale = e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block)) if fmt == "fp8" else None
+    return [(cols, vals, scale)]

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-
+from interpret_races import INTERPRET, assert_no_races
+from lower_h200 import lower_for_h200
 
 from dsjax import kv_rows, quant
 from dsjax.kernels.common import IndexRowFormat, dequant_index_rows

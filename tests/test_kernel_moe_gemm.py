@@ -69,8 +69,7 @@ def _check(got, want):
     # intermediate dim for the down projection). Such a difference can flip a bf16 rounding of g, u, h or y,
     # i.e. one bf16 ulp (2^-8 relative) of one term; through the down projection and the sum over k experts
     # that stays below 2^-7 of the largest |output|. Observed: exact, except the last fp32 bit of the sum for a
-    # token that picks one expert twice with nonzero weights (route's top-k never does). The Triton kernel's fp32
-    # division in silu may also differ from IEEE by an ulp on the GPU: again at most one flipped bf16 rounding.
+    # token that picks one expert twice with nonzero weights (route's top-k never does).
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * max(1.0, np.abs(want).max()))

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 
 from dsjax import kv_rows, quant
 from dsjax.config import ModelConfig
+from dsjax.kernel_choice import choose
 from dsjax.layers.compressor import compress_chunk
 from dsjax.layers.indexer import index_queries, index_scores, select_topk
 from dsjax.layers.linear import einsum_acc32, linear
 from dsjax.layers.norms import rms_norm, weightless_head_norm
 from dsjax.layers.rope import apply_rope, rope_angles
 from dsjax.layers.rows import per_token, take_rows
-from dsjax.sharding import constrain
+from dsjax.sharding import active_mesh, constrain
 from dsjax.state import LayerState
 from dsjax.weights import Attention
 from dsjax.numerics import div_exact, round_to
@@ -130,9 +131,18 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     q, kv, iq = per_token(cfg, projections, x, angles)
     kv_stored = kv_rows.store_main(kv, cfg)
     new = commit_layer(x, kv_stored, w, cfg, layer, st, start, n_valid)
+    ratio = cfg.layer_ratio(layer)
+    if choose(cfg, "sparse_mqa", rows=B * T, dtype=q.dtype, sharded=active_mesh() is not None) == "pallas":
+        from dsjax.layers.sparse_attention import sparse_attention   # the kernel path (dsjax.kernels)
+        visible = compressed_visible(q_pos, new.compressor.entries.shape[1], ratio) if ratio else None
+        chosen = None
+        if ratio and w.indexer is not None:
+            index_keys = kv_rows.load_index(new.index.entries, cfg)
+            chosen = select_topk(index_scores(x, iq, index_keys, w.indexer, cfg), visible, cfg.index_topk)
+        o = sparse_attention(q, w.attn_sink, st.window, kv_stored, new.compressor, chosen, cfg, ratio, start)
+        return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new, (x, kv_stored)
     keys, valid = window_keys(st.window, kv_stored, start, cfg.window_size)
     keys = kv_rows.load_main(keys, cfg)
-    ratio = cfg.layer_ratio(layer)
     if ratio:
         comp = new.compressor
         visible = compressed_visible(q_pos, comp.entries.shape[1], ratio)          # [B,T,N]

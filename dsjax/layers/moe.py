@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dsjax.config import ModelConfig
+from dsjax.kernel_choice import choose
 from dsjax.layers.linear import dequantize, einsum_acc32, linear
 from dsjax import quant
 from dsjax.sharding import active_mesh, axis_size, local_ids
@@ -117,9 +118,19 @@ def routed_experts_sparse(x, weights, ids, w: MoE, cfg: ModelConfig):
     return sum_in_order(y.reshape(n, k, -1).astype(jnp.float32), axis=1)
 
 
+def routed_experts_kernel(x, weights, ids, w: MoE, cfg: ModelConfig):
+    """The routed experts through the Pallas expert-GEMM kernels (`dsjax.kernels.moe_gemm`)."""
+    from dsjax.kernels import moe_gemm   # the kernels' reference imports this module
+    return moe_gemm.moe_gemm(x, weights, ids, w.w1, w.w3, w.w2, swiglu_limit=cfg.swiglu_limit,
+                             act_quant_sim=cfg.act_quant_sim, act_quant_block=cfg.act_quant_block,
+                             implementation="pallas")
+
+
 def routed_experts(x, weights, ids, w: MoE, cfg: ModelConfig):
     """fp32 [n, D] sum of each token's routed experts; expert-parallel under a mesh (`expert_parallel`)."""
     experts = routed_experts_dense if cfg.kernels == "reference" else routed_experts_sparse
+    if choose(cfg, "moe_gemm", rows=x.shape[0], dtype=x.dtype, fmt=w.w1.fmt) == "pallas":
+        experts = routed_experts_kernel
     if active_mesh() is None:
         return experts(x, weights, ids, w, cfg)
     return expert_parallel(experts, x, weights, ids, w, cfg)

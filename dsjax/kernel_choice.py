@@ -1,0 +1,56 @@
+"""Which implementation each op runs: `cfg.kernels` ("auto" | "pallas" | "xla" | "reference") and, for "auto",
+the H200 measurements of `python -m dsjax.bench.kernels` (docs/benchmarks.md, "Kernels").
+
+"auto" picks the Pallas kernel only where it was measured faster than the XLA path on the GPU, and XLA
+everywhere else (CPU, fp32 numerics, batch-invariant mode, tensor-parallel attention). Choices are made at trace
+time (shapes are static), logged once per op and shape on the `dsjax.kernels` logger, and kept for `choices()`
+(the API reports them in generation stats).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("dsjax.kernels")
+_CHOSEN: dict[tuple, str] = {}
+
+
+def _measured_faster(op: str, rows: int, fmt: str | None) -> bool:
+    """H200, jax 0.11.2, 2026-11-30 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
+    if op == "sparse_mqa":      # 1.43-1.47x at 32 slots x 6 queries; 0.7-1.0x at 1 slot
+        return rows >= 32
+    if op == "moe_gemm":        # bf16/FP8: 2.8-3.2x at 8 tokens, slower at 1; FP4: 3.1-5.2x at >= 256 tokens
+        return rows >= (8 if fmt in ("bf16", "fp8") else 256)
+    return False                # indexer_topk: see docs/kernels.md (scores unverified against XLA on the GPU)
+
+
+def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: bool = False) -> str:
+    """The implementation of `op` for a call with `rows` query rows / tokens in compute `dtype`."""
+    mode = cfg.kernels
+    if mode in ("xla", "reference"):
+        impl = "xla" if mode == "xla" or op != "moe_gemm" else "reference"
+    else:
+        usable = (jnp.dtype(dtype) == jnp.bfloat16 and not cfg.batch_invariant and not sharded
+                  and (fmt or "bf16") != "f32")
+        if mode == "pallas":
+            impl = "pallas" if usable else "xla"
+        else:
+            impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt) else "xla"
+    key = (op, rows, str(jnp.dtype(dtype)), fmt, sharded, mode)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = impl
+        log.info("kernels=%s: %s rows=%d dtype=%s fmt=%s%s -> %s", mode, op, rows, jnp.dtype(dtype), fmt,
+                 " (sharded)" if sharded else "", impl)
+    return impl
+
+
+def choices() -> dict[str, list[str]]:
+    """Every choice made so far in this process, per op: 'rows=… dtype=… fmt=… -> impl'."""
+    out: dict[str, list[str]] = {}
+    for (op, rows, dtype, fmt, sharded, mode), impl in _CHOSEN.items():
+        out.setdefault(op, []).append(f"kernels={mode} rows={rows} dtype={dtype} fmt={fmt}"
+                                      f"{' sharded' if sharded else ''} -> {impl}")
+    return out

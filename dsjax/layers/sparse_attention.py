@@ -1,0 +1,35 @@
+"""Attention through the sparse MQA kernel (`dsjax.kernels.sparse_mqa`): the cache's stored rows and per-query
+index lists instead of gathered key copies.
+
+The same keys in the same order as `attention`'s XLA path — the window (ring, then this chunk) and the CSA
+picks or every completed HCA entry — so the result is `sink_attention`'s up to the kernel's split softmax
+(docs/kernels.md states the tolerance). Used when `dsjax.kernel_choice` picks the Pallas kernel.
+"""
+
+import jax.numpy as jnp
+
+from dsjax import kv_rows
+from dsjax.kernels import sparse_mqa
+from dsjax.kernels.common import MainRowFormat
+
+
+def sparse_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, start):
+    """q [B,T,H,d] at positions start+t; ring / kv_stored the window ring and this chunk's stored rows; comp the
+    layer's CompressorState after this chunk (None without compression); chosen the indexer's (indices, valid)
+    for CSA layers, None for HCA. Returns o [B,T,H,d] before the inverse rope."""
+    T = q.shape[1]
+    fmt = MainRowFormat.from_config(cfg)
+    window = sparse_mqa.window_rows(ring, kv_stored)
+    win_idx = sparse_mqa.window_indices(start, T, cfg.window_size)
+    comp_kv = comp_idx = None
+    if ratio:
+        comp_kv = comp.entries
+        if chosen is not None:
+            comp_idx = sparse_mqa.csa_indices(*chosen)
+        else:
+            q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+            comp_idx = sparse_mqa.hca_indices(q_pos, comp_kv.shape[1], ratio)
+    if not kv_rows.main_rows_compact(cfg):
+        window, comp_kv = window.astype(q.dtype), None if comp_kv is None else comp_kv.astype(q.dtype)
+    return sparse_mqa.sparse_mqa_decode(q, sink, window, win_idx, comp_kv, comp_idx, scale=cfg.head_dim ** -0.5,
+                                        row_format=fmt, implementation="pallas")

@@ -1,0 +1,65 @@
+"""The model with its Pallas kernels (kernels="pallas": the HLO interpreter on CPU) against its XLA path, on the
+tiny V4 model in bf16 (reference-bf16 numerics, compact FP8 KV rows): each attention layer kind teacher-forced,
+the MoE layer, and the choices reported in generation stats.
+
+Layer by layer, not end to end: this random-weight model amplifies bf16 noise — flipping the last bit of half the
+attention outputs alone moves its logits by ~0.1 of their scale (measured 1.0 of 10.6; the kernels: 1.2-1.9) —
+so an end-to-end bound loose enough never to flake would say little."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsjax
+from dsjax import kernel_choice
+from dsjax.layers.attention import attention
+from dsjax.layers.moe import moe
+from dsjax.state import init_state
+
+
+pytestmark = pytest.mark.xdist_group("model_kernels")      # one worker: the choices test reads the others'
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {k: dsjax.load("tiny-v4", kernels=k, max_seq_len=128, max_batch=2) for k in ("xla", "pallas")}
+
+
+def test_attention_layers_match_xla(models, test_seed):
+    """Each layer kind (window, CSA, HCA) over a 48-token chunk, same inputs and state: within the sparse MQA
+    kernel's tolerance (2^-6 of the largest |output|: split partials and the final bf16 rounding)."""
+    cfg = models["xla"].cfg
+    st = init_state(cfg, 2, 128)
+    x = jax.random.normal(jax.random.key(test_seed), (2, 48, cfg.dim), jnp.float32).astype(jnp.bfloat16)
+    start, n = jnp.array([0, 0], jnp.int32), jnp.array([48, 40], jnp.int32)
+    kinds = {}
+    for i in range(cfg.n_layers):                       # the first layer of each kind
+        kinds.setdefault(cfg.layer_ratio(i), i)
+    for i in kinds.values():
+        w = models["xla"].params.layers[i].attn
+        want, got = (np.asarray(attention(x, w, cfg.replace(kernels=k), i, st.layers[i], start, n)[0], np.float32)
+                     for k in ("xla", "pallas"))
+        np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * np.abs(want).max(), err_msg=f"layer {i}")
+
+
+def test_moe_layer_matches_xla(models, test_seed):
+    """The MoE layer (route, routed experts through the kernel, shared expert): within one bf16 ulp of the
+    output scale (the kernel's fp32 accumulation order may flip one rounding; observed: equal)."""
+    cfg = models["xla"].cfg
+    x = jax.random.normal(jax.random.key(test_seed), (2, 24, cfg.dim), jnp.float32).astype(jnp.bfloat16)
+    tok = jax.random.randint(jax.random.key(test_seed + 1), (2, 24), 0, cfg.vocab_size)
+    w = models["xla"].params.layers[cfg.n_hash_layers].ffn           # a top-k routed layer
+    want, got = (np.asarray(moe(x, tok, w, cfg.replace(kernels=k)), np.float32) for k in ("xla", "pallas"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * np.abs(want).max())
+
+
+def test_choices_are_reported(models):
+    """Generation stats name each op's implementation (here: the XLA model on CPU); the pallas model's choices
+    made by the tests above are on record too."""
+    gens = models["xla"].generate([[0, 5, 9, 11]], 2)
+    kernels = gens[0].stats["kernels"]
+    assert kernels["sparse_mqa"] and all(c.endswith("-> xla") for c in kernels["sparse_mqa"]), kernels
+    chosen = kernel_choice.choices()
+    assert any(c.startswith("kernels=pallas") and c.endswith("-> pallas") for c in chosen["sparse_mqa"]), chosen
+    assert any(c.startswith("kernels=pallas") and c.endswith("-> pallas") for c in chosen["moe_gemm"]), chosen
