@@ -89,7 +89,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             if len(request.stop) > svc.limits.max_stop:
                 raise ApiError(400, f"at most {svc.limits.max_stop} stop strings", "stop")
             max_tokens = svc.budget(ids, request.max_tokens or None, "input")
-            rid, stream = svc.submit(ids, max_tokens, sampling=_sampling(request.sampling, request.HasField("sampling")),
+            sampling = _sampling(request.sampling, request.HasField("sampling"))
+            rid, stream = svc.submit(ids, max_tokens, sampling=sampling,
                                      top_logprobs=request.top_logprobs, stop_token_ids=tuple(request.stop_token_ids),
                                      request_id=request.request_id or None)
         except ApiError as e:

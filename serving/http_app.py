@@ -47,9 +47,14 @@ async def _read_json(request: Request, max_bytes: int):
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _check_text(data, "")
+    try:
+        _check_text(data, "")
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply") from None
     return data
 
 

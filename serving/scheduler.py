@@ -66,7 +66,10 @@ class OutputStream:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     def emit(self, out: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:  # the loop has closed (shutdown): nobody is listening any more
+            pass
 
     async def __aiter__(self):
         while True:

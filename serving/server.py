@@ -109,7 +109,8 @@ def build(cfg: ServeConfig, model=None):
                         prefix_cache_entries=cfg.prefix_cache_entries)
     scheduler = Scheduler(engine, max_queue=cfg.max_queue, metrics=metrics)
     info = ModelInfo(id=cfg.model_id, source=model.source, family=family, max_model_len=model.max_seq_len,
-                     max_num_seqs=cfg.max_num_seqs, vocab_size=model.cfg.vocab_size, eos_token_id=model.cfg.eos_token_id)
+                     max_num_seqs=cfg.max_num_seqs, vocab_size=model.cfg.vocab_size,
+                     eos_token_id=model.cfg.eos_token_id)
     limits = Limits(max_model_len=model.max_seq_len, max_logprobs=cfg.max_logprobs)
     return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics)
 

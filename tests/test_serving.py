@@ -181,37 +181,44 @@ def test_grpc_reflection_generate_equals_offline(served, offline):
 def test_openai_chat_stream_usage_logprobs_stop(served, client):
     model, st = served
     messages = [{"role": "user", "content": "Name three rivers."}]
-    full = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=8, temperature=0,
-                                          logprobs=True, top_logprobs=3, extra_body={"thinking": {"type": "disabled"}})
+    off = {"thinking": {"type": "disabled"}}
+    calls = {  # independent requests at once: they share dispatches (greedy and seeded rows in one batch)
+        "full": lambda: client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=8, temperature=0,
+                                                       logprobs=True, top_logprobs=3, extra_body=off),
+        "stream": lambda: list(client.chat.completions.create(
+            model="tiny-v4", messages=messages, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"chat_template_kwargs": {"thinking": False}})),
+        "thought": lambda: client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=6,
+                                                          temperature=0),
+        "seed_a": lambda: client.completions.create(model="tiny-v4", prompt="Once", max_tokens=6, temperature=1.0,
+                                                    top_p=0.9, seed=123).choices[0].text,
+        "seed_b": lambda: client.completions.create(model="tiny-v4", prompt="Once", max_tokens=6, temperature=1.0,
+                                                    top_p=0.9, seed=123).choices[0].text,
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        got = dict(zip(calls, pool.map(lambda f: f(), calls.values(), timeout=120)))
+    full, chunks, thought = got["full"], got["stream"], got["thought"]
     choice = full.choices[0]
     assert choice.finish_reason in ("length", "stop") and full.usage.completion_tokens == 8
     assert len(choice.logprobs.content) == 8 and all(len(c.top_logprobs) == 3 for c in choice.logprobs.content)
     assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in choice.logprobs.content)
     # the same request streamed: same text; the usage chunk has no choices and comes last
-    chunks = list(client.chat.completions.create(
-        model="tiny-v4", messages=messages, max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"chat_template_kwargs": {"thinking": False}}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in chunks[:-1])
     # thinking on: the text goes to reasoning_content (no </think> from random weights)
-    thought = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=6, temperature=0)
     assert thought.choices[0].message.content == "" and thought.usage.completion_tokens_details.reasoning_tokens == 6
     assert getattr(thought.choices[0].message, "reasoning_content", None)
+    # seeded sampling is reproducible whatever shares the batch
+    assert got["seed_a"] == got["seed_b"]
     # stop: a string from the middle of the greedy text ends the output before it
     cut = text[len(text) // 2:len(text) // 2 + 3]
     if cut.strip():
         stopped = client.chat.completions.create(model="tiny-v4", messages=messages, max_tokens=8, temperature=0,
-                                                 stop=[cut], extra_body={"thinking": {"type": "disabled"}})
+                                                 stop=[cut], extra_body=off)
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.choices[0].message.content == text[:text.find(cut)]
-    # seeded sampling is reproducible, and sampled requests share the batch with greedy ones
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        a, b, _ = pool.map(lambda seed: client.completions.create(
-            model="tiny-v4", prompt="Once", max_tokens=6, temperature=1.0, top_p=0.9, seed=seed).choices[0].text,
-            [123, 123, 7])
-    assert a == b
     assert [m.id for m in client.models.list().data] == ["tiny-v4"]
 
 

@@ -3,10 +3,11 @@ reasoning from the DSML parser through the official `openai` client, stop string
 RESOURCE_EXHAUSTED), aborts of queued requests, graceful drain (503 / NOT_SERVING) — plus the pieces on their
 own: request validation, the API key, stop-string text, the flags, the memory check and the committed stubs."""
 
-import asyncio
 import concurrent.futures
 import json
 import os
+import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -110,8 +111,8 @@ def client(fake):
                          max_retries=0)
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
 MESSAGES = [{"role": "user", "content": "Weather in Hangzhou?"}]
 
 
@@ -235,6 +236,43 @@ def test_drain_finishes_running_then_refuses(fake, client):
     assert (health.status_code, health.json()["status"]) == (503, "draining")
     assert refused.status_code == 503
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_on_both_ports(tmp_path):
+    """--ssl-certfile/--ssl-keyfile: HTTPS and gRPC over TLS, verified against the self-signed certificate."""
+    import ssl
+
+    import httpx2 as httpx
+    from dsjax.serving.proto import engine_pb2 as pb, engine_pb2_grpc as pb_grpc
+
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=30)
+    engine = ScriptedEngine()
+    sched = Scheduler(engine, max_queue=2)
+    info = ModelInfo(id="fake", source="scripted", family="v4", max_model_len=512, max_num_seqs=2,
+                     vocab_size=TOK.vocab_size, eos_token_id=1)
+    svc = Service(info, TOK, sched, Limits(max_model_len=512))
+    cfg = ServeConfig(model="fake", port=0, grpc_port=0, ssl_certfile=cert, ssl_keyfile=key).validate()
+    st = ServerThread(cfg, svc).start(timeout=60)
+    try:
+        ctx = ssl.create_default_context(cafile=cert)
+        r = httpx.post(f"https://127.0.0.1:{st.server.http_port}/v1/completions", verify=ctx, timeout=10,
+                       json={"model": "fake", "prompt": [0, 7], "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"https://127.0.0.1:{st.server.http_port}/health", timeout=10)  # unknown CA: refused
+        with open(cert, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        with grpc.secure_channel(f"localhost:{st.server.grpc_port}", creds) as ch:
+            out = list(pb_grpc.EngineStub(ch).Generate(pb.GenerateRequest(input_ids=pb.TokenIds(ids=[0, 7]),
+                                                                          max_tokens=3), timeout=10))
+            assert out[-1].complete.usage.completion_tokens == 3
+    finally:
+        st.stop()
 
 
 # ---- pieces on their own ----
