@@ -275,6 +275,65 @@ def test_tls_on_both_ports(tmp_path):
         st.stop()
 
 
+SIGTERM_CHILD = """
+import asyncio, sys, time
+sys.path.insert(0, {tests!r})
+from test_serving_frontend import ScriptedEngine, TOK
+from dsjax.serving.config import ServeConfig
+from dsjax.serving.metrics import Metrics
+from dsjax.serving.openai_protocol import Limits
+from dsjax.serving.scheduler import Scheduler
+from dsjax.serving.server import _log_to_stderr, _run
+from dsjax.serving.service import ModelInfo, Service
+engine = ScriptedEngine()
+engine.hold = 0.02
+info = ModelInfo(id="fake", source="scripted", family="v4", max_model_len=512, max_num_seqs=2,
+                 vocab_size=TOK.vocab_size, eos_token_id=1)
+metrics = Metrics("fake")
+svc = Service(info, TOK, Scheduler(engine, max_queue=4, metrics=metrics), Limits(max_model_len=512), metrics=metrics)
+_log_to_stderr("info")
+asyncio.run(_run(ServeConfig(model="fake", port=0, grpc_port=0, drain_timeout=10), svc, time.perf_counter()))
+"""
+
+
+def test_sigterm_drains_the_process_and_exits_0():
+    """The real signal path of `dsjax serve` (its `_run`), over the scripted engine: ports, ready line, a request
+    running when SIGTERM arrives finishes, then the process exits 0."""
+    import re
+    import signal
+    import sys
+
+    import httpx2 as httpx
+
+    code = SIGTERM_CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "ready in" in line:
+                break
+        port = int(re.search(r"HTTP 127\.0\.0\.1:(\d+)", "".join(lines)).group(1))
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, base + "/v1/completions", timeout=30,
+                                  json={"model": "fake", "prompt": [0, 7], "max_tokens": 40})
+            end = time.monotonic() + 20
+            while "dsjax_running_slots 1.0" not in httpx.get(base + "/metrics", timeout=10).text:
+                assert time.monotonic() < end, "the request never started"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            assert running.result(timeout=30).json()["usage"]["completion_tokens"] == 40
+        assert proc.wait(timeout=30) == 0
+        rest = proc.stderr.read()
+        assert "draining: 1 running" in rest and "stopped" in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 # ---- pieces on their own ----
 
 LIMITS = Limits(max_model_len=64, max_logprobs=5)
