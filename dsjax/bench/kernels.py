@@ -159,7 +159,15 @@ def bench_indexer(emit, sweep: bool, smoke: bool = False):
         want = xla_fn(*args)
         t_xla = time_us(xla_fn, *args, calls=5)
         emit(dict(op="indexer_topk", case="1M", batch=B, entries=N, impl="xla", us=t_xla, bytes=nbytes))
-        for opts in [{}] + ([dict(block_n=64)] if sweep else []):
+        try:   # the scores themselves (the top-k picks differ wherever bf16 scores tie)
+            from dsjax.kernels.indexer_topk import pallas_gpu, xla as ixla
+            sp = np.asarray(jax.jit(lambda *a: pallas_gpu.index_scores(*a, fmt))(*args), np.float32).reshape(B, Q, -1)
+            sx = np.asarray(jax.jit(lambda *a: ixla.index_scores(*a[:3], fmt))(*args), np.float32)
+            emit(dict(op="indexer_scores", batch=B, scores_equal_fraction=float(np.mean(sp == sx)),
+                      max_abs_diff=float(np.max(np.abs(sp - sx))), scale=float(np.max(np.abs(sx)))))
+        except Exception as e:  # noqa: BLE001
+            emit(dict(op="indexer_scores", batch=B, error=repr(e)[:800]))
+        for opts in [{}]:
             try:
                 fn = run("pallas", **opts)
                 got = fn(*args)
@@ -191,8 +199,8 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
     E, D, I, k = (16, 256, 256, 6) if smoke else (256, 4096, 2048, 6)
     configs = [{}]
     if sweep:
-        configs += [dict(block_i=bi, block_d=bi, block_k=bk, num_warps=w)
-                    for bi in (32, 64, 128) for bk in (128, 256) for w in (4, 8)]
+        configs += [dict(block_i=bi, block_d=bi, num_warps=w) for bi in (32, 64, 128) for w in (4, 8)]
+        configs += [dict(target_programs=t) for t in (2 * 132, 32 * 132)] + [dict(num_stages=4)]
     for fmt in fmts:
         ks = jax.random.split(jax.random.key(2), 3)
         lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
