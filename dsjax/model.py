@@ -68,7 +68,13 @@ def embed(params: Model, cfg: ModelConfig, token_ids):
 def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState, n_valid=None,
                          *, with_pending: bool = False):
     """token_ids [B,T] at positions state.lengths[b]+t -> (streams [B,T,n,D] before hc_head, new state), plus
-    every layer's pending inputs when `with_pending` (to commit a shorter prefix with `commit_chunk`)."""
+    every layer's pending inputs when `with_pending` (to commit a shorter prefix with `commit_chunk`).
+    V4.1 (`v41_model`): the final collapsed stream [B,T,D] instead of the streams."""
+    if cfg.family == "v4.1":
+        if with_pending:
+            raise NotImplementedError(f"{cfg.name}: V4.1 verify blocks (commit_chunk) are not written yet")
+        from dsjax.v41_model import forward_hidden41
+        return forward_hidden41(params, cfg, token_ids, state, n_valid)
     B, T = token_ids.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths
@@ -94,7 +100,10 @@ def commit_chunk(params: Model, cfg: ModelConfig, state: DecodeState, pendings, 
 
 
 def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):
-    """hc_head -> RMSNorm -> fp32 head. h [b,s,n,D] -> [b,s,V] float32."""
+    """hc_head -> RMSNorm -> fp32 head. h [b,s,n,D] -> [b,s,V] float32 (V4.1: h is already collapsed)."""
+    if cfg.family == "v4.1":
+        from dsjax.v41_model import head_logits41
+        return head_logits41(h, params, cfg)
     def head(h):
         y = rms_norm(hc_head(h, hc, cfg), norm_w, cfg.norm_eps)
         return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),

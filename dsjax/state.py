@@ -57,7 +57,12 @@ def _rows(cfg: ModelConfig, d: int, compact: bool, row_bytes: int):
 
 def init_state(cfg: ModelConfig, batch: int, max_seq: int, *, with_mtp: bool = False) -> DecodeState:
     """Empty caches for `batch` rows of up to `max_seq` tokens: compute-dtype values, or the compact rows of
-    kv_rows.py (584-byte main KV, 68-byte index keys) for the V4 reference presets."""
+    kv_rows.py (584-byte main KV, 68-byte index keys) for the V4 reference presets. V4.1: `v41_state.init_state41`."""
+    if cfg.family == "v4.1":
+        if with_mtp:
+            raise NotImplementedError(f"{cfg.name}: V4.1 drafts with DSpark, whose decode state is not written yet")
+        from dsjax.v41_state import init_state41
+        return init_state41(cfg, batch, max_seq)
     from dsjax import kv_rows
 
     main = _rows(cfg, cfg.head_dim, kv_rows.main_rows_compact(cfg), kv_rows.main_row_bytes(cfg))

@@ -103,6 +103,7 @@ class Model41:
     norm: Any
     head: Any
     mtp: tuple          # DSpark stages
+    hc_head: Any = None  # V4.1 has no hc_head (the last block's FFN pre_mix collapses the streams)
 
 
 # ---------------------------------------------------------------------- the V4.1 schedule (spec §2.2)
