@@ -214,8 +214,43 @@ class ModelConfig:
             need(self.n_hash_layers <= self.n_layers, "n_hash_layers > n_layers")
             if any(r == 4 for r in self.compress_ratios):
                 need(self.index_topk > 0 and self.index_n_heads > 0, "CSA layers need index_topk and index_n_heads")
+        if self.family == "v4.1":
+            self._validate_v41(need)
         if self.expert_dtype == "fp4":
             need(self.dim % 32 == 0 and self.moe_inter_dim % 32 == 0, "FP4 experts need dim and moe_inter_dim divisible by 32")
+
+
+    def _validate_v41(self, need) -> None:
+        """CSA2 roles (spec §2.2): every compressed layer reads the latest KV source and index source at or before
+        it, of its own ratio; KV sources own index keys, so they are index sources too."""
+        ratios, L = self.compress_ratios, self.n_layers
+        for name in ("kv_source_layers", "index_source_layers", "engram_layer_ids"):
+            ids = getattr(self, name)
+            need(list(ids) == sorted(set(ids)) and all(0 <= i < L for i in ids),
+                 f"{name} {ids} must be distinct backbone layers in increasing order")
+        need(all(r == 0 for r in ratios[L:]), "V4.1 DSpark layers must be window-only (ratio 0)")
+        for s in self.kv_source_layers:
+            need(ratios[s] > 0 and s in self.index_source_layers,
+                 f"KV source layer {s} must compress (ratio > 0) and own an indexer (be an index source)")
+        for layer in range(L):
+            if not ratios[layer]:
+                continue
+            for name in ("kv_source_layers", "index_source_layers"):
+                src = [s for s in getattr(self, name) if s <= layer]
+                need(src and ratios[src[-1]] == ratios[layer],
+                     f"layer {layer} (ratio {ratios[layer]}) reads the latest of {name} at or before it, which must "
+                     f"have the same ratio; found {src[-1] if src else 'none'}")
+        if self.candidate_source_layer >= 0:
+            need(self.candidate_source_layer in self.index_source_layers and self.candidate_topk_blocks > 0
+                 and self.candidate_block_size > 0,
+                 "candidate_source_layer must be an index source, with candidate_topk_blocks and _block_size > 0")
+        need(self.head_dim % 32 == 0 and self.index_head_dim % 32 == 0,
+             "V4.1 rounds window KV per 32, main KV per 16 and index keys per 32: head_dim and index_head_dim % 32")
+        if self.engram_layer_ids:
+            need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
+                 "engram_num_embeddings needs one table size per Engram layer")
+            need(self.engram_max_ngram_size >= 2 and self.engram_n_heads > 0 and self.engram_head_dim % 32 == 0,
+                 "Engram needs max_ngram_size ≥ 2, n_heads > 0 and head_dim divisible by 32 (one scale per 32)")
 
 
 _NUMERIC_FIELDS: dict[str, dict[str, Any]] = {

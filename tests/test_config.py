@@ -16,6 +16,7 @@ import pytest
 import dsjax
 from dsjax import weights
 from dsjax.config import NUMERICS, ModelConfig, config_from_dict, load_config
+from dsjax.errors import ConfigError
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 CONFIGS = os.path.join(DATA, "configs")
@@ -334,5 +335,15 @@ def test_describe_v41_is_its_own_tree():
     from dsjax.v41_weights import Model41
     cfg = dsjax.preset("v4.1-flash")
     tree = weights.describe(cfg)
-    assert isinstance(tree, Model41) and not hasattr(tree, "hc_head")
+    assert isinstance(tree, Model41) and tree.hc_head is None
     assert weights.nbytes(cfg) > 500e9
+
+def test_v41_roles_are_validated():
+    """CSA2 layers read the latest KV and index source of their own ratio (spec §2.2); errors name the layer."""
+    with pytest.raises(ConfigError, match=r"layer 20 \(ratio 1\) reads the latest of kv_source_layers .* found 14"):
+        dsjax.preset("v4.1-flash", kv_source_layers=(2, 8, 14))
+    with pytest.raises(ConfigError, match="KV source layer 9 must compress"):
+        dsjax.preset("v4.1-flash", kv_source_layers=(2, 9, 14, 20))
+    with pytest.raises(ConfigError, match="engram_num_embeddings needs one table size per Engram layer"):
+        dsjax.preset("v4.1-flash", engram_num_embeddings=(384006168,))
+    assert dsjax.preset("v4.1-flash").reference_index_key_bug is False
