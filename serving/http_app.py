@@ -9,6 +9,7 @@ frees its batch slot before the next device dispatch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -144,6 +145,35 @@ def _completion_lp(entries, offset: int) -> dict:
             "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
 
+async def _merge(streams):
+    """(choice index, output) from several request streams as they arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        async for out in stream:
+            await queue.put((i, out))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        while True:
+            yield await queue.get()
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _usage(rs: list[_Responder]) -> dict:
+    """One prompt, n completions: prompt tokens counted once (as OpenAI does), completion tokens summed."""
+    u = rs[0].usage()
+    for r in rs[1:]:
+        more = r.usage()
+        u["completion_tokens"] += more["completion_tokens"]
+        u["total_tokens"] += more["completion_tokens"]
+        if "completion_tokens_details" in u:
+            u["completion_tokens_details"]["reasoning_tokens"] += more["completion_tokens_details"]["reasoning_tokens"]
+    return u
+
+
 def _tool_call_dict(call, index: int, rid: str) -> dict:
     return {"index": index, "id": f"call_{rid[-12:]}_{index}", "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
@@ -174,92 +204,123 @@ def build_app(svc: Service, *, api_key: ApiKey, max_request_bytes: int = 1 << 20
         return Response(metrics.exposition(), media_type=metrics.content_type) if metrics else Response(status_code=404)
 
     async def run(request: Request, p: GenParams, ids: list[int], *, chat: bool, thinking: bool, max_tokens: int):
-        prefix = "chatcmpl" if chat else "cmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        rid, stream = svc.submit(ids, max_tokens, sampling=p.sampling, top_logprobs=p.top_logprobs,
-                                 stop_token_ids=p.stop_token_ids, request_id=rid)
-        r = _Responder(svc, p, ids, chat=chat, thinking=thinking)
-        created = int(time.time())
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": svc.info.id}
-        if p.stream:
-            return StreamingResponse(_stream(rid, stream, r, base, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        watcher = asyncio.create_task(_abort_on_disconnect(request, rid))
+        """Submit the request (n of them for `n` choices: seeds seed, seed+1, ...) and answer, streamed or whole."""
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        subs: list[tuple[str, object]] = []
         try:
-            text, entries, calls = "", [], []
-            async for out in stream:
-                delta, lps, done = r.consume(out)
-                text += delta
-                entries += lps
+            for i in range(p.n):
+                sampling = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
+                subs.append(svc.submit(ids, max_tokens, sampling=sampling, top_logprobs=p.top_logprobs,
+                                       stop_token_ids=p.stop_token_ids, request_id=rid if p.n == 1 else f"{rid}-{i}"))
+        except ApiError:
+            for sid, _ in subs:
+                svc.abort(sid)
+            raise
+        rs = [_Responder(svc, p, ids, chat=chat, thinking=thinking) for _ in subs]
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": svc.info.id}
+        merged = _merge([stream for _, stream in subs])
+        if p.stream:
+            return StreamingResponse(_stream(subs, merged, rs, base, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        watcher = asyncio.create_task(_abort_on_disconnect(request, [sid for sid, _ in subs]))
+        texts, entries, open_ = [""] * p.n, [[] for _ in subs], set(range(p.n))
+        try:
+            async for i, out in merged:
+                if i not in open_:
+                    continue
+                delta, lps, done = rs[i].consume(out)
+                texts[i] += delta
+                entries[i] += lps
                 if done:
-                    break
+                    open_.discard(i)
+                    if not open_:
+                        break
         finally:
             watcher.cancel()
-            if r.finish is None or r.text.stopped:
-                svc.abort(rid, "stop")
-        if r.finish == "error":
-            raise ApiError(500, r.error or "generation failed", type="server_error")
+            await merged.aclose()
+            for (sid, _), r in zip(subs, rs):
+                if r.finish is None or r.text.stopped:
+                    svc.abort(sid, "stop")
+        failed = [r for r in rs if r.finish == "error"]
+        if failed:
+            raise ApiError(500, failed[0].error or "generation failed", type="server_error")
+        usage = _usage(rs)
         if not chat:
-            choice = {"index": 0, "text": text, "logprobs": _completion_lp(entries, 0) if p.logprobs else None,
-                      "finish_reason": r.finish}
-            return JSONResponse({**base, "choices": [choice], "usage": r.usage()})
-        r.parser.feed(text)
-        parsed = r.parser.finish()
-        message = parsed.to_openai_message()
-        finish = r.finish
-        if parsed.tool_calls:
-            message["tool_calls"] = [_tool_call_dict(c, i, rid) for i, c in enumerate(parsed.tool_calls)]
-            finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": 0, "message": message, "logprobs": _chat_lp(entries) if p.logprobs else None,
-                  "finish_reason": finish}
-        return JSONResponse({**base, "object": "chat.completion", "choices": [choice], "usage": r.usage()})
+            choices = [{"index": i, "text": t, "logprobs": _completion_lp(e, 0) if p.logprobs else None,
+                        "finish_reason": r.finish} for i, (t, e, r) in enumerate(zip(texts, entries, rs))]
+            return JSONResponse({**base, "choices": choices, "usage": usage})
+        choices = []
+        for i, (text, e, r) in enumerate(zip(texts, entries, rs)):
+            r.parser.feed(text)
+            parsed = r.parser.finish()
+            message = parsed.to_openai_message()
+            finish = r.finish
+            if parsed.tool_calls:
+                message["tool_calls"] = [_tool_call_dict(c, k, f"{rid}{i}") for k, c in enumerate(parsed.tool_calls)]
+                finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": i, "message": message, "logprobs": _chat_lp(e) if p.logprobs else None,
+                            "finish_reason": finish})
+        return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage})
 
-    async def _abort_on_disconnect(request: Request, rid: str):
+    async def _abort_on_disconnect(request: Request, rids: list[str]):
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                svc.abort(rid)
+                for rid in rids:
+                    svc.abort(rid)
                 return
 
-    async def _stream(rid, stream, r: _Responder, base: dict, chat: bool):
-        finished = False
+    async def _stream(subs, merged, rs: list[_Responder], base: dict, chat: bool):
+        n = len(rs)
+        open_ = set(range(n))
+        offsets = [0] * n
+
+        def frame(i, **fields):
+            if chat:
+                return _sse({**base, "choices": [{"index": i, "delta": fields.get("delta", {}),
+                                                  "logprobs": fields.get("logprobs"),
+                                                  "finish_reason": fields.get("finish_reason")}]})
+            return _sse({**base, "choices": [{"index": i, "text": fields.get("text", ""),
+                                              "logprobs": fields.get("logprobs"),
+                                              "finish_reason": fields.get("finish_reason")}]})
+
         try:
             if chat:
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]})
-            offset = 0
-            async for out in stream:
+                for i in range(n):
+                    yield frame(i, delta={"role": "assistant", "content": ""})
+            async for i, out in merged:
+                if i not in open_:
+                    continue
+                r = rs[i]
                 delta, lps, done = r.consume(out)
                 if chat:
                     events = r.parser.feed(delta) + (r.parser.flush() if done else [])
-                    for d in _deltas(events, r, rid):
-                        yield _sse({**base, "choices": [{"index": 0, "delta": d, "logprobs": None,
-                                                          "finish_reason": None}]})
+                    for d in _deltas(events, r, f"{base['id']}{i}"):
+                        yield frame(i, delta=d)
                     if lps:
-                        yield _sse({**base, "choices": [{"index": 0, "delta": {}, "logprobs": _chat_lp(lps),
-                                                          "finish_reason": None}]})
+                        yield frame(i, logprobs=_chat_lp(lps))
                 elif delta or lps:
-                    yield _sse({**base, "choices": [{"index": 0, "text": delta, "logprobs": _completion_lp(lps, offset)
-                                                     if r.p.logprobs else None, "finish_reason": None}]})
-                    offset += len(delta)
+                    yield frame(i, text=delta, logprobs=_completion_lp(lps, offsets[i]) if r.p.logprobs else None)
+                    offsets[i] += len(delta)
                 if done:
-                    break
-            finished = True
-            if r.finish == "error":
-                yield _sse({"error": {"message": r.error or "generation failed", "type": "server_error",
-                                      "param": None, "code": None}})
-            else:
-                finish = "tool_calls" if chat and r.tool_calls and r.finish == "stop" else r.finish
-                last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish} if chat else \
-                    {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
-                yield _sse({**base, "choices": [last]})
-                if r.p.include_usage:
-                    yield _sse({**base, "choices": [], "usage": r.usage()})
+                    open_.discard(i)
+                    if r.finish == "error":
+                        yield _sse({"error": {"message": r.error or "generation failed", "type": "server_error",
+                                              "param": None, "code": None}})
+                    else:
+                        finish = "tool_calls" if chat and r.tool_calls and r.finish == "stop" else r.finish
+                        yield frame(i, finish_reason=finish)
+                    if not open_:
+                        break
+            if rs[0].p.include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(rs)})
             yield b"data: [DONE]\n\n"
         finally:
-            if not finished or r.text.stopped:
-                svc.abort(rid, "stop" if finished else "abort")
+            await merged.aclose()
+            for (sid, _), r in zip(subs, rs):
+                if r.finish is None or r.text.stopped:
+                    svc.abort(sid, "stop" if r.finish else "abort")
 
     def _deltas(events, r: _Responder, rid: str):
         for e in events:

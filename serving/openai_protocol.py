@@ -37,6 +37,7 @@ class Limits:
     max_stop: int = 16
     max_stop_len: int = 256
     max_messages: int = 1024
+    max_n: int = 16
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class GenParams:
 
     model: str
     stream: bool = False
+    n: int = 1
     include_usage: bool = False
     max_tokens: int | None = None
     sampling: RowSampling = RowSampling()
@@ -101,8 +103,7 @@ def _common(body: dict, allowed: set[str], limits: Limits) -> GenParams:
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad(name, f"{name} is not supported yet (only 0)")
-    if _number(body, "n", 1, 1, 128, integer=True) != 1:
-        raise bad("n", "only n=1 is supported; send several requests for several choices")
+    n = _number(body, "n", 1, 1, limits.max_n, integer=True)
     if body.get("logit_bias"):
         raise bad("logit_bias", "logit_bias is not supported")
     stream = _flag(body, "stream")
@@ -138,8 +139,8 @@ def _common(body: dict, allowed: set[str], limits: Limits) -> GenParams:
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
     if len(stop_ids) > limits.max_stop:
         raise bad("stop_token_ids", f"at most {limits.max_stop} stop token ids")
-    return GenParams(model=model, stream=stream, include_usage=include_usage, sampling=sampling, stop=tuple(stop),
-                     stop_token_ids=tuple(stop_ids))
+    return GenParams(model=model, stream=stream, n=n, include_usage=include_usage, sampling=sampling,
+                     stop=tuple(stop), stop_token_ids=tuple(stop_ids))
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], limits: Limits) -> int | None:

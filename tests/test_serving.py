@@ -246,7 +246,7 @@ BAD = [  # (headers, body bytes or JSON, status, text the message must contain)
     (None, {"model": "tiny-v4", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (None, {"model": "tiny-v4", "prompt": [0] * MAX_LEN}, 400, "context length"),
     (None, {"model": "tiny-v4", "prompt": "x", "best_of": 1, "frobnicate": True}, 400, "frobnicate"),
-    (None, {"model": "tiny-v4", "prompt": "x", "n": 2}, 400, "n=1"),
+    (None, {"model": "tiny-v4", "prompt": "x", "n": 99}, 400, "n must lie in"),
     (None, {"model": "tiny-v4", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     (None, {"model": "tiny-v4", "prompt": "x", "temperature": -1}, 400, "temperature"),
     (None, {"model": "tiny-v4", "prompt": "x" * (70 << 10)}, 413, "limit"),

@@ -137,6 +137,19 @@ def test_openai_tool_calls_and_reasoning(client):
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + len(SCRIPT)
 
 
+def test_n_choices(client):
+    """n=2: two requests (seeds seed, seed+1), one response; streamed choices carry their index."""
+    full = client.chat.completions.create(model="fake", messages=MESSAGES, tools=TOOLS, n=2)
+    assert [c.index for c in full.choices] == [0, 1]
+    assert all(c.message.tool_calls[0].function.name == "get_weather" for c in full.choices)
+    assert full.usage.completion_tokens == 2 * len(SCRIPT) and full.usage.prompt_tokens < len(SCRIPT) * 10
+    chunks = list(client.completions.create(model="fake", prompt=[0, 7], max_tokens=5, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    finish = {c.choices[0].index: c.choices[0].finish_reason
+              for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finish == {0: "length", 1: "length"} and chunks[-1].usage.completion_tokens == 10
+
+
 def test_stop_string_ends_output_and_frees_slot(fake, client):
     st, engine = fake
     r = client.chat.completions.create(model="fake", messages=MESSAGES, stop=["weather"],
