@@ -74,9 +74,13 @@ def _model_config(cfg: ServeConfig):
     import dsjax
     from dsjax import checkpoint, orbax_io
     from dsjax.config import PRESETS
+    from dsjax.errors import ConfigError
 
     if cfg.model in PRESETS:
         base = dsjax.preset(cfg.model)
+    elif not os.path.isdir(cfg.model):
+        raise ConfigError(f"--model {cfg.model!r} is neither a checkpoint directory nor a known preset; presets: "
+                          f"{', '.join(sorted(PRESETS))}")
     elif orbax_io.is_orbax_dir(cfg.model):
         base = orbax_io.read_config(cfg.model)
     else:
@@ -292,7 +296,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         return serve(from_args(args))
-    except DsjaxError as e:
+    except (DsjaxError, NotImplementedError) as e:  # as `dsjax serve`: e.g. a V4.1 model, not runnable yet
         print(f"error: {e}", file=sys.stderr)
         return 2
 
