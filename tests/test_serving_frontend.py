@@ -39,12 +39,14 @@ SCRIPT = TOK.encode("Let me check.</think>Checking the weather." + CALLS + EOS)
 
 class ScriptedEngine:
     """SlotEngine's interface; every request "generates" SCRIPT (or counting tokens for completions of
-    token-id prompts ending in 7), `per_dispatch` tokens per decode step, `hold` seconds per step."""
+    token-id prompts ending in 7), `per_dispatch` tokens per decode step, `hold` seconds per step. While `paused`
+    is set no row advances, but the scheduler keeps admitting and aborting (tests wait on states, not sleeps)."""
 
     def __init__(self, slots=2, per_dispatch=3):
         self.slots, self.per_dispatch, self.hold = slots, per_dispatch, 0.0
         self.rows: dict[int, dict] = {}
         self.steps = 0
+        self.paused = threading.Event()
 
     def free_slots(self):
         return [b for b in range(self.slots) if b not in self.rows]
@@ -72,6 +74,9 @@ class ScriptedEngine:
     def decode_step(self):
         if not self.rows:
             return []
+        if self.paused.is_set():
+            time.sleep(0.001)
+            return []
         time.sleep(self.hold)
         self.steps += 1
         out = []
@@ -87,6 +92,13 @@ class ScriptedEngine:
 
 
 KEY = "k"
+
+
+def _wait_for(condition, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out waiting for the server"
+        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +171,7 @@ def test_stop_string_ends_output_and_frees_slot(fake, client):
     text = "".join(c.choices[0].text for c in client.completions.create(
         model="fake", prompt="x", max_tokens=40, stop=["weather"], stream=True) if c.choices)
     assert text.endswith("Checking the ")
-    end = time.monotonic() + 5
-    while engine.rows and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not engine.rows
+    _wait_for(lambda: not engine.rows)
 
 
 def test_queue_full_gets_429_and_resource_exhausted(fake, client):
@@ -172,17 +181,16 @@ def test_queue_full_gets_429_and_resource_exhausted(fake, client):
     from dsjax.serving.proto import engine_pb2 as pb, engine_pb2_grpc as pb_grpc
 
     st, engine = fake
-    engine.hold = 0.05
+    sched = st.svc.scheduler
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = []
-            for running, queued in ((2, 0), (2, 2)):  # fill the slots, then the queue (admission is not instant)
-                futures += [pool.submit(client.completions.create, model="fake", prompt=[0, 7], max_tokens=500)
-                            for _ in range(2)]
-                end = time.monotonic() + 10
-                while (st.svc.scheduler.running(), st.svc.scheduler.queue_depth()) != (running, queued) and \
-                        time.monotonic() < end:
-                    time.sleep(0.005)
+            engine.paused.set()  # nothing finishes: the slots fill, then the queue (admission is not instant)
+            futures = [pool.submit(client.completions.create, model="fake", prompt=[0, 7], max_tokens=500)
+                       for _ in range(2)]
+            _wait_for(lambda: sched.running() == 2)
+            futures += [pool.submit(client.completions.create, model="fake", prompt=[0, 7], max_tokens=500)
+                        for _ in range(2)]
+            _wait_for(lambda: sched.queue_depth() == 2)
             with pytest.raises(openai.RateLimitError) as e:
                 client.completions.create(model="fake", prompt=[0, 7], max_tokens=5)
             assert "queue is full" in e.value.message
@@ -198,9 +206,9 @@ def test_queue_full_gets_429_and_resource_exhausted(fake, client):
                                                         metadata=(("x-api-key", KEY),), timeout=10).found
             results = [f.result(timeout=30) for f in futures]
     finally:
-        engine.hold = 0.0
+        engine.paused.clear()
     assert [r.choices[0].finish_reason for r in results] == ["abort"] * 4
-    assert sorted(r.usage.completion_tokens == 0 for r in results) == [False, False, True, True]
+    assert [r.usage.completion_tokens for r in results] == [0] * 4
 
 
 def test_grpc_text_in_stop_string_out(fake):
@@ -227,23 +235,22 @@ def test_drain_finishes_running_then_refuses(fake, client):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     st, engine = fake
-    engine.hold = 0.02
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        engine.paused.set()  # the request stays in flight until the checks below are done
         running = pool.submit(client.completions.create, model="fake", prompt=[0, 7], max_tokens=30)
-        end = time.monotonic() + 10
-        while not engine.rows and time.monotonic() < end:
-            time.sleep(0.01)
-        stopper = threading.Thread(target=st.stop)
-        stopper.start()
-        end = time.monotonic() + 10
-        while not st.svc.scheduler.draining and time.monotonic() < end:
-            time.sleep(0.005)
-        base = f"http://127.0.0.1:{st.server.http_port}"
-        health = httpx.get(base + "/health", timeout=5)
-        refused = httpx.post(base + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=5,
-                             headers={"Authorization": f"Bearer {KEY}"})
-        with grpc.insecure_channel(f"127.0.0.1:{st.server.grpc_port}") as ch:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        _wait_for(lambda: st.svc.scheduler.running() == 1)
+        try:
+            stopper = threading.Thread(target=st.stop)
+            stopper.start()
+            _wait_for(lambda: st.svc.scheduler.draining)
+            base = f"http://127.0.0.1:{st.server.http_port}"
+            health = httpx.get(base + "/health", timeout=5)
+            refused = httpx.post(base + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=5,
+                                 headers={"Authorization": f"Bearer {KEY}"})
+            with grpc.insecure_channel(f"127.0.0.1:{st.server.grpc_port}") as ch:
+                status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        finally:
+            engine.paused.clear()
         assert running.result(timeout=30).usage.completion_tokens == 30
     stopper.join(30)
     assert (health.status_code, health.json()["status"]) == (503, "draining")
