@@ -22,8 +22,8 @@ def _measured_faster(op: str, rows: int, fmt: str | None) -> bool:
     """H200, jax 0.11.2, 2026-11-30 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
     if op == "sparse_mqa":      # 1.43-1.47x at 32 slots x 6 queries; 0.7-1.0x at 1 slot
         return rows >= 32
-    if op == "moe_gemm":        # bf16/FP8: 2.8-3.2x at 8 tokens, slower at 1; FP4: 3.1-5.2x at >= 256 tokens
-        return rows >= (8 if fmt in ("bf16", "fp8") else 256)
+    if op == "moe_gemm":        # FP4: 1.07-1.6x at 1-8 tokens, 4.2-7.2x at 256-1024; bf16/FP8: 2.8-3.2x at 8, slower at 1
+        return fmt == "fp4" or rows >= 8
     return False                # indexer_topk: see docs/kernels.md (scores unverified against XLA on the GPU)
 
 

@@ -18,9 +18,6 @@ from dsjax.layers.moe import moe
 from dsjax.state import init_state
 
 
-pytestmark = pytest.mark.xdist_group("model_kernels")      # one worker: the choices test reads the others'
-
-
 @pytest.fixture(scope="module")
 def models():
     return {k: dsjax.load("tiny-v4", kernels=k, max_seq_len=128, max_batch=2) for k in ("xla", "pallas")}
@@ -54,12 +51,16 @@ def test_moe_layer_matches_xla(models, test_seed):
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * np.abs(want).max())
 
 
-def test_choices_are_reported(models):
-    """Generation stats name each op's implementation (here: the XLA model on CPU); the pallas model's choices
-    made by the tests above are on record too."""
+def test_choices_are_reported(models, caplog):
+    """Generation stats name each op's implementation (here: the XLA model on CPU); a choice is logged once."""
     gens = models["xla"].generate([[0, 5, 9, 11]], 2)
     kernels = gens[0].stats["kernels"]
     assert kernels["sparse_mqa"] and all(c.endswith("-> xla") for c in kernels["sparse_mqa"]), kernels
-    chosen = kernel_choice.choices()
-    assert any(c.startswith("kernels=pallas") and c.endswith("-> pallas") for c in chosen["sparse_mqa"]), chosen
-    assert any(c.startswith("kernels=pallas") and c.endswith("-> pallas") for c in chosen["moe_gemm"]), chosen
+    cfg = models["pallas"].cfg
+    with caplog.at_level("INFO", logger="dsjax.kernels"):
+        assert kernel_choice.choose(cfg, "sparse_mqa", rows=977, dtype=jnp.bfloat16) == "pallas"
+        assert kernel_choice.choose(cfg, "sparse_mqa", rows=977, dtype=jnp.bfloat16) == "pallas"
+        assert kernel_choice.choose(cfg, "moe_gemm", rows=977, dtype=jnp.float32, fmt="fp4") == "xla"  # fp32: none
+    assert sum("sparse_mqa rows=977" in r.getMessage() for r in caplog.records) == 1
+    assert "kernels=pallas rows=977 dtype=bfloat16 fmt=None -> pallas" in kernel_choice.choices()["sparse_mqa"]
+    assert kernel_choice.choose(cfg.replace(kernels="auto"), "moe_gemm", rows=8, dtype=jnp.bfloat16, fmt="fp4") == "xla"

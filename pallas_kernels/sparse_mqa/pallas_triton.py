@@ -40,8 +40,9 @@ def _piece_width(kv, fmt, d: int) -> int:
     return width
 
 
-def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 32, head_block: int = 64,
-             num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2, interpret=None):
+def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: int = 64,
+             num_splits: int | None = None, num_warps: int = 8, num_stages: int = 2, interpret=None):
+    """Defaults: the fastest of the H200 sweep (docs/benchmarks.md, block_k 32/64 x head_block 32/64 x 4/8 warps)."""
     """q [B,Q,H,d], kv [B,N,R], idx int32 [B,Q,K] -> (m [B,Q,S,H], l [B,Q,S,H], acc [B,Q,S,H,d]) in fp32."""
     B, Q, H, d = q.shape
     assert row_width(kv, fmt) == d, (kv.shape, fmt, d)
