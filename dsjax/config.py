@@ -302,12 +302,32 @@ def _tiny_v4(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def _tiny_v41(**kw) -> ModelConfig:
+    """A V4.1-architecture model small enough for CPU tests, the shapes of the golden case v41_tiny_s4321 with the
+    real vocabulary: SWA, ratio-2 and ratio-1 KV sources, Reuse, Reindex, candidate blocks, Engram on two layers."""
+    base = dict(
+        name="tiny-v41", family="v4.1", vocab_size=129280, dim=64, n_layers=10, n_heads=4, head_dim=64,
+        rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32, n_routed_experts=8, n_activated_experts=3,
+        moe_inter_dim=64, n_hash_layers=0, norm_eps=1e-20, window_size=16,
+        compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0), index_n_heads=8, index_head_dim=32, index_topk=8,
+        n_mtp_layers=3, weight_block_size=32, kv_source_layers=(2, 4, 6), index_source_layers=(2, 4, 6, 8),
+        candidate_source_layer=6, candidate_topk_blocks=3, candidate_block_size=4, engram_layer_ids=(1, 4),
+        engram_num_embeddings=(630, 834), engram_max_ngram_size=4, engram_vocab_size=97, engram_n_heads=2,
+        engram_head_dim=32, engram_pad_id=2, engram_compressed_vocab_size=99092, dspark_block_size=5,
+        dspark_noise_token_id=128799, dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=16,
+        dspark_n_routed_experts=4, dspark_n_activated_experts=2, pad_token_id=2, max_position_embeddings=4096,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
 PRESETS = {
     "v4-flash": _v4_flash,
     # 0731 keeps the V4 backbone shapes; its DSpark draft namespace is the V4.1-Flash II issue's business.
     "v4-flash-0731": lambda **kw: _v4_flash(**{"name": "v4-flash-0731", **kw}),
     "v4.1-flash": _v41_flash,
     "tiny-v4": _tiny_v4,
+    "tiny-v41": _tiny_v41,
 }
 
 

@@ -347,3 +347,14 @@ def test_v41_roles_are_validated():
     with pytest.raises(ConfigError, match="engram_num_embeddings needs one table size per Engram layer"):
         dsjax.preset("v4.1-flash", engram_num_embeddings=(384006168,))
     assert dsjax.preset("v4.1-flash").reference_index_key_bug is False
+
+
+def test_tiny_v41_preset_random_weights(test_seed):
+    """tiny-v41 (the golden case's shapes, real vocabulary): random weights in checkpoint formats match the
+    description leaf for leaf; Engram scales start at e8m0 byte 127 (x1), so the tables are not silenced."""
+    from dsjax.params import init_params
+    cfg = dsjax.preset("tiny-v41")
+    params = init_params(cfg, test_seed)
+    assert jax.tree.structure(weights.abstract(cfg)) == jax.tree.structure(params)
+    assert weights.nbytes(cfg) == sum(x.nbytes for x in jax.tree.leaves(params))
+    assert int(params.layers[1].engram.embed.scale.min()) == 127 and params.layers[4].engram is not None
