@@ -286,3 +286,33 @@ def test_prefix_cache_continues_a_conversation(served, client):
     offline = model.generate([turn] + PROMPTS[1:SLOTS], NEW, temperature=0.0, steps_per_dispatch=STEPS,
                              logprobs=TOP)[0]
     assert r.choices[0].logprobs.tokens == [st.svc.tokenizer.decode([t]) for t in offline.tokens]
+
+
+def test_requests_join_and_leave_without_recompiling(served, client):
+    """After warm-up, nothing compiles again: prompts of 1 to 70 tokens (multi-chunk prefill), greedy and sampled
+    rows, logprobs or not, stop strings, a prefix-cache continuation, cancellations — all in one batch."""
+    from jax import monitoring
+
+    compiled = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kw.get("fun_name", "?"))
+
+    rng = np.random.default_rng(11)
+    prompts = [[0] + rng.integers(3, 120_000, size=n - 1).tolist() for n in (1, 5, 33, 70, 12, 40)]
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0, logprobs=3),
+             dict(temperature=1.0, seed=2, stop=["e"], extra_body={"top_k": 5}), dict(temperature=0),
+             dict(temperature=0)]
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            jobs = [pool.submit(client.completions.create, model="tiny-v4", prompt=p, max_tokens=3, **kw)
+                    for p, kw in zip(prompts, kinds)]
+            jobs.append(pool.submit(client.completions.create, model="tiny-v4", prompt=prompts[3] + [9, 9],
+                                    max_tokens=2, extra_body={"top_k": 3}))
+            for j in jobs:
+                assert j.result(timeout=120).usage.completion_tokens >= 1
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
