@@ -257,20 +257,27 @@ def _v41_kv(cfg: ModelConfig) -> dict:
 
 
 def _v41_kv_layout(cfg: ModelConfig, dt: int) -> dict:
-    """V4.1 caches as `init_state41` allocates them: compute-dtype rows (FP4/FP8-rounded values, not packed yet)
-    at the KV sources only; Reuse and Reindex layers read their source's."""
-    main, idx = cfg.head_dim * dt, cfg.index_head_dim * dt
+    """V4.1 caches as `init_state41` allocates them (`v41_rows`: 288-B FP4 main rows, 68-B index rows, 528-B FP8
+    window rows for the reference presets; compute-dtype values otherwise), at the KV sources only; Reuse and
+    Reindex layers read their source's."""
+    from dsjax import v41_rows
+    rows = v41_rows.row_shapes(cfg)
+    width = {k: w * np.dtype(t).itemsize for k, (w, t) in rows.items()}
+    main, idx = width["main"], width["index"]
     kinds: dict[str, dict] = {}
     for layer in cfg.kv_source_layers:
         ratio = cfg.layer_ratio(layer)
         k = kinds.setdefault(f"csa2 source (ratio {ratio})", {"layers": 0, "main": main / ratio, "index": idx / ratio})
         k["layers"] += 1
     fmt = f"{cfg.compute_dtype} values"
-    return {"main_row": {"bytes": main, "format": fmt}, "index_row": {"bytes": idx, "format": fmt},
+    return {"main_row": {"bytes": main, "format": "compact uint8 (packed e2m1 + e4m3 per 16)"
+                         if v41_rows.compact(cfg) else fmt},
+            "index_row": {"bytes": idx, "format": "compact uint8 (packed e2m1 + ue8m0 per 32)"
+                          if v41_rows.index_compact(cfg) else fmt},
             "bytes_per_token": kinds,
             "global_bytes_per_token": sum(k["layers"] * (k["main"] + k["index"]) for k in kinds.values()),
             "paper_bytes_per_token": _v41_kv(cfg)["global_bytes_per_token"],
-            "window_bytes_per_sequence": cfg.n_layers * cfg.window_size * main}
+            "window_bytes_per_sequence": cfg.n_layers * cfg.window_size * width["window"]}
 
 
 def plan(cfg_or_preset, tp: int = 1, dp: int = 1, ep="tp", max_seq_len: int = 4096, batch: int = 8, *,
@@ -312,8 +319,8 @@ def plan(cfg_or_preset, tp: int = 1, dp: int = 1, ep="tp", max_seq_len: int = 40
         out["notes"] += [
             f"Engram tables counted with their rows split over all {dp * tp} devices (ceil, as the reference pads "
             f"its last shard); dsjax's lookup still holds them whole per device (the sharded lookup is not written)",
-            f"KV caches as allocated: {cfg.compute_dtype} rows holding FP4/FP8-rounded values; the paper's packed "
-            f"layout needs {kv_layout(cfg)['paper_bytes_per_token']:g} B/token (spec §4.2)",
+            f"KV caches as allocated: {kv_layout(cfg)['global_bytes_per_token']:g} B/token (the paper's packed "
+            f"layout: {kv_layout(cfg)['paper_bytes_per_token']:g} B/token, spec §4.2)",
             "DSpark weights included; its decode state (3 window rings) is not allocated yet"]
     out["notes"] += [
         "weights as dsjax holds them: wo_a dequantised to bf16 (FP8 in the checkpoint), tid2eid int32 (int64)",

@@ -20,13 +20,13 @@ from dsjax.weights import pytree
 class SourceState41:
     kv: Optional[jax.Array]      # f32 [B, ratio, d]: projected kv of the open group's positions (slot p % ratio); None at ratio 1
     score: Optional[jax.Array]   # f32 [B, ratio, d]: their gate scores (-inf before position 0)
-    entries: jax.Array           # [B, max_seq // ratio, d]: compressed main KV (rotated, FP4-rounded)
-    index_keys: jax.Array        # [B, max_seq // ratio, index_dim]: index keys (rotated, FP4-rounded)
+    entries: jax.Array           # [B, max_seq // ratio, d]: compressed main KV (rotated, FP4-rounded; 288-B rows, v41_rows)
+    index_keys: jax.Array        # [B, max_seq // ratio, index_dim]: index keys (rotated, FP4-rounded; 68-B rows)
 
 
 @pytree
 class LayerState41:
-    window: jax.Array                  # [B, window, d] ring of the layer's KV latent
+    window: jax.Array                  # [B, window, d] ring of the layer's KV latent (528-B FP8 rows, v41_rows)
     source: Optional[SourceState41]    # KV-source layers only
 
 
@@ -39,10 +39,11 @@ class State41:
 
 def init_state41(cfg: ModelConfig, batch: int, max_seq: int) -> State41:
     from dsjax.layers.engram import initial_history
+    from dsjax.v41_rows import row_shapes
     from dsjax.v41_weights import owns_compressor
 
-    dt = jnp.dtype(cfg.compute_dtype)
-    d, di = cfg.head_dim, cfg.index_head_dim
+    d, rows = cfg.head_dim, row_shapes(cfg)
+    (wd, wdt), (md, mdt), (idd, idt) = rows["window"], rows["main"], rows["index"]
     layers = []
     for layer in range(cfg.n_layers):
         source = None
@@ -50,8 +51,8 @@ def init_state41(cfg: ModelConfig, batch: int, max_seq: int) -> State41:
             ratio = cfg.layer_ratio(layer)
             buf = ((jnp.zeros((batch, ratio, d), jnp.float32), jnp.full((batch, ratio, d), -jnp.inf, jnp.float32))
                    if ratio > 1 else (None, None))
-            source = SourceState41(kv=buf[0], score=buf[1], entries=jnp.zeros((batch, max_seq // ratio, d), dt),
-                                   index_keys=jnp.zeros((batch, max_seq // ratio, di), dt))
-        layers.append(LayerState41(window=jnp.zeros((batch, cfg.window_size, d), dt), source=source))
+            source = SourceState41(kv=buf[0], score=buf[1], entries=jnp.zeros((batch, max_seq // ratio, md), mdt),
+                                   index_keys=jnp.zeros((batch, max_seq // ratio, idd), idt))
+        layers.append(LayerState41(window=jnp.zeros((batch, cfg.window_size, wd), wdt), source=source))
     return State41(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers),
                    engram_history=initial_history(cfg, batch))

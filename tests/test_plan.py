@@ -108,21 +108,25 @@ def test_nothing_is_allocated():
 
 def test_v41_flash_plan():
     """V4.1 (spec §1, §4.2, §5.3): 551.88B backbone + 14.23B DSpark + 196.61B Engram tables; the KV sources'
-    caches as allocated (bf16 rows: 3 x 640 + 1280 = 3200 B/token) beside the paper's 890; Engram tables split
-    over the devices, so 8 H200s and 4 B300s fit and 4 H200s do not."""
+    caches as allocated — compact rows, the paper's 890 B/token (288-B main + 68-B index rows per entry; fp32
+    values under the transformers preset); Engram tables split over the devices, so 8 H200s and 4 B300s fit and
+    4 H200s do not."""
     p = planner.plan("v4.1-flash", tp=8, max_seq_len=4096, batch=8)
     lp = p["weights"]["logical_params"]
     assert round(lp["backbone"] / 1e9, 2) == 551.88
     assert round(lp["mtp"] / 1e9, 2) == 14.23 and round(lp["engram"] / 1e9, 2) == 196.61
     assert round(lp["total"] / 1e9, 2) == 762.72
     kv = p["kv_layout"]
-    assert kv["global_bytes_per_token"] == 3200 and kv["paper_bytes_per_token"] == 890
-    assert kv["bytes_per_token"]["csa2 source (ratio 2)"] == {"layers": 3, "main": 512, "index": 128}
+    assert kv["global_bytes_per_token"] == kv["paper_bytes_per_token"] == 890
+    assert kv["bytes_per_token"]["csa2 source (ratio 2)"] == {"layers": 3, "main": 144, "index": 34}
+    assert kv["window_bytes_per_sequence"] == 40 * 128 * 528
+    fp32 = planner.kv_layout(preset("v4.1-flash").with_numerics("transformers"))
+    assert fp32["global_bytes_per_token"] == 3 * (2048 + 512) / 2 + 2048 + 512
     per = p["weights"]["per_device"]
     assert per["Engram tables"] == sum(-(-r // 8) * (256 + 8) for r in (384006168, 384016682))
     assert per["DSpark"] > 0 and per["Engram projections"] > 0 and "MTP" not in {k for k, v in per.items() if v}
     a, b = (planner.state_plan(preset("v4.1-flash"), 1, n)["per_device"] for n in (8192, 16384))
-    assert (sum(b.values()) - sum(a.values())) / 8192 == 3200
+    assert (sum(b.values()) - sum(a.values())) / 8192 == 890
     assert fits(p, "H200") and fits(planner.plan("v4.1-flash", tp=4), "B300")
     assert not fits(planner.plan("v4.1-flash", tp=4), "H200")
     assert cli.main(["plan", "--model", "v4.1-flash", "--tp", "8"]) == 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsjax import quant
+from dsjax import quant, v41_rows
 from dsjax.config import ModelConfig
 from dsjax.layers.attention import compressed_visible, output_projection, sink_attention, update_ring, window_keys
 from dsjax.layers.indexer import index_scores
@@ -108,13 +108,15 @@ def update_source(x, w: Attention41, st: SourceState41, cfg: ModelConfig, layer:
     def finish(latent, j):
         angles = rope_angles(cfg, layer, j * ratio)
         main = apply_rope(latent, angles)
-        if cfg.kv_quant_sim:
+        if v41_rows.compact(cfg):
+            main = v41_rows.quantize_main(main, cfg)  # the rounding below, written as packed codes + scales
+        elif cfg.kv_quant_sim:
             main = quant.fp4_e2m1_sim(main, MAIN_KV_BLOCK, scale_format="e4m3")
         k = rms_norm(matmul(latent, w.indexer.wk.astype(latent.dtype), latent.dtype), w.indexer.k_norm, cfg.norm_eps)
         k = apply_rope(k, angles)
         if cfg.index_quant_sim:
             k = quant.fp4_e2m1_sim(k, cfg.index_quant_block)
-        return main, k
+        return main, v41_rows.store_index(k, cfg)
 
     main, k = per_token(cfg, finish, latent, j)
     return SourceState41(kv=kv_buf, score=sc_buf, entries=_write(st.entries, j, done, main),
@@ -163,7 +165,9 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         return q, project_kv(x, w, cfg, angles), iq
 
     q, kv, iq = per_token(cfg, projections, x, angles)
+    kv = v41_rows.store_window(kv, cfg)
     keys, valid = window_keys(st.window, kv, start, cfg.window_size)
+    keys = v41_rows.load_window(keys, cfg)
     new = LayerState41(window=update_ring(st.window, kv, start, n_valid), source=st.source)
     ratio = cfg.layer_ratio(layer)
     if ratio and layer < cfg.n_layers:
@@ -175,7 +179,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         N = src.entries.shape[1]
         visible = compressed_visible(q_pos, N, ratio)                                # [B,T,N]
         if w.indexer is not None:
-            index_keys = _index_keys_for(shared, src, cfg, N)
+            index_keys = v41_rows.load_index(_index_keys_for(shared, src, cfg, N), cfg)
             scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index_keys, w.indexer, cfg), x, iq)
             scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
             if layer == cfg.candidate_source_layer:
@@ -186,7 +190,8 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
             shared["topk"] = select_topk(scores, visible, cfg.index_topk)
         assert index_source_of(cfg, layer) >= 0, f"layer {layer} has no index source before it"
         chosen, chosen_ok = shared["topk"]
-        keys = jnp.concatenate([keys, take_rows(src.entries, chosen).astype(keys.dtype)], axis=2)
+        picked = v41_rows.load_main(take_rows(src.entries, chosen), cfg)
+        keys = jnp.concatenate([keys, picked.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, chosen_ok], axis=2)
 
     def attend(q, keys, valid, angles):
