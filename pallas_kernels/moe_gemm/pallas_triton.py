@@ -131,11 +131,11 @@ def _grouped_matmul(name, inp, lin_list, tiles, rows_of_tile, n_out: int, block_
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int = 16,
              block_i: int | None = None, block_d: int | None = None, block_k: int = 128, num_warps: int = 4,
              num_stages: int = 3, target_programs: int = 8 * 132, interpret=None):
-    """Output tiles default to 32 rows of the weights for up to 64 tokens (the H200 sweep's best at 1-8 tokens:
-    more programs in flight), 64 beyond (docs/benchmarks.md)."""
+    """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
+    tokens: more programs in flight), 64 otherwise (docs/benchmarks.md)."""
     n, k = ids.shape
-    block_i = block_i or (32 if n <= 64 else 64)
-    block_d = block_d or (32 if n <= 64 else 64)
+    small = 32 if w1.fmt == "fp4" and n <= 64 else 64
+    block_i, block_d = block_i or small, block_d or small
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     dt = x.dtype
     if dt == jnp.float32 or w1.fmt == "f32":
