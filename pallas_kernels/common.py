@@ -123,8 +123,18 @@ def pad_axis(x, axis: int, multiple: int, value):
 
 
 def round_bf(x, dtype):
-    """Round an fp32 array to `dtype` and back: the reference's intermediate roundings, kernel-safe."""
-    return x.astype(dtype).astype(jnp.float32)
+    """Round an fp32 array to `dtype` and back: the reference's intermediate roundings, kernel-safe.
+
+    bf16 rounds to nearest even on the fp32 bits with integer ops: XLA may drop an f32 -> bf16 -> f32 round trip
+    (excess precision, as in interpret mode), Triton has no `reduce_precision`, integer ops survive both."""
+    x = x.astype(jnp.float32)
+    if jnp.dtype(dtype) == jnp.float32:
+        return x
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return x.astype(dtype).astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def gpu_interpret(interpret):

@@ -58,13 +58,17 @@ def test_dequant_index_rows_is_exact(test_seed):
                                   np.asarray(kv_rows.unpack_index(rows, CFG), np.float32))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas", "mosaic"])
 @pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
 def test_matches_reference(test_seed, implementation, compact):
     _, _, q, _, stored, weights, n_visible = _case(test_seed + 1, compact)
     k = 24
     # Same roundings in the same order: the picks must be identical, ties and invalid slots included.
-    opts = dict(block_n=64, tile=64, interpret=INTERPRET) if implementation == "pallas" else dict(tile=64)
+    opts = dict(tile=64)
+    if implementation == "pallas":
+        opts.update(block_n=64, interpret=True)
+    elif implementation == "mosaic":
+        implementation, opts = "pallas", dict(opts, backend="mosaic", block_n=64, interpret=INTERPRET)
     got = indexer_topk(q, weights, stored, n_visible, k, row_format=FMT, implementation=implementation, **opts)
     want = indexer_topk(q, weights, stored, n_visible, k, row_format=FMT, implementation="reference")
     for g, e in zip(got, want):
@@ -94,3 +98,35 @@ def test_pallas_scoring_lowers_for_h200(compact):
     text = lower_for_h200(lambda q, w, k, nv: pallas_gpu.index_scores(q, w, k, nv, fmt, interpret=False),
                           S((B, Q, nh, dh), jnp.bfloat16), S((B, Q, nh), jnp.bfloat16), keys, S((B, Q), jnp.int32))
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
+def test_triton_scores_exact_at_64_heads(test_seed, compact):
+    """V4's 64 index heads x 128 dims: the Triton kernel's scores equal the reference's bit for bit (the head sum
+    of bf16-rounded terms; the Mosaic kernel is off by an ulp here, docs/kernels.md)."""
+    from dsjax.kernels.indexer_topk import pallas_triton, reference
+    fmt, nh, B, Q, N = IndexRowFormat(), 64, 1, 2, 300
+    ks = jax.random.split(jax.random.key(test_seed), 3)
+    q = quant.fp4_e2m1_sim(jax.random.normal(ks[0], (B, Q, nh, fmt.dim), jnp.float32), fmt.block).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (B, Q, nh), jnp.float32) * 0.1).astype(jnp.bfloat16)
+    kv = jax.random.normal(ks[2], (B, N, fmt.dim), jnp.float32).astype(jnp.bfloat16)
+    cfg = types.SimpleNamespace(index_head_dim=fmt.dim, index_quant_block=fmt.block)
+    keys = kv_rows.pack_index(kv, cfg) if compact else quant.fp4_e2m1_sim(kv, fmt.block).astype(jnp.bfloat16)
+    nv = jnp.array([[N, 130]], jnp.int32)
+    got = np.asarray(pallas_triton.index_scores(q, w, keys, nv, fmt, interpret=True))
+    want = np.asarray(reference.index_scores(q, w, keys, fmt), np.float32)
+    np.testing.assert_array_equal(got[0, 0], want[0, 0])
+    np.testing.assert_array_equal(got[0, 1, :128], want[0, 1, :128])      # tiles past n_visible: -inf, skipped
+    assert np.all(got[0, 1, 256:] == -np.inf)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
+def test_triton_scoring_lowers_for_h200(compact):
+    from dsjax.kernels.indexer_topk import pallas_triton
+    fmt = IndexRowFormat()
+    B, Q, nh, dh, N = 2, 6, 64, 128, 4096
+    S = jax.ShapeDtypeStruct
+    keys = S((B, N, fmt.row_bytes), jnp.uint8) if compact else S((B, N, dh), jnp.bfloat16)
+    text = lower_for_h200(lambda q, w, k, nv: pallas_triton.index_scores(q, w, k, nv, fmt, interpret=False),
+                          S((B, Q, nh, dh), jnp.bfloat16), S((B, Q, nh), jnp.bfloat16), keys, S((B, Q), jnp.int32))
+    assert "xla.gpu.triton" in text

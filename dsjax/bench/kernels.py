@@ -159,23 +159,20 @@ def bench_indexer(emit, sweep: bool, smoke: bool = False):
         want = xla_fn(*args)
         t_xla = time_us(xla_fn, *args, calls=5)
         emit(dict(op="indexer_topk", case="1M", batch=B, entries=N, impl="xla", us=t_xla, bytes=nbytes))
-        try:   # the scores themselves (the top-k picks differ wherever bf16 scores tie)
-            from dsjax.kernels.indexer_topk import pallas_gpu, xla as ixla
-            sp = np.asarray(jax.jit(lambda *a: pallas_gpu.index_scores(*a, fmt))(*args), np.float32).reshape(B, Q, -1)
-            sx = np.asarray(jax.jit(lambda *a: ixla.index_scores(*a[:3], fmt))(*args), np.float32)
-            emit(dict(op="indexer_scores", batch=B, scores_equal_fraction=float(np.mean(sp == sx)),
-                      max_abs_diff=float(np.max(np.abs(sp - sx))), scale=float(np.max(np.abs(sx)))))
-        except Exception as e:  # noqa: BLE001
-            emit(dict(op="indexer_scores", batch=B, error=repr(e)[:800]))
-        for opts in [{}]:
-            try:
-                fn = run("pallas", **opts)
+        from dsjax.kernels.indexer_topk import pallas_gpu, pallas_triton, xla as ixla
+        sx = np.asarray(jax.jit(lambda *a: ixla.index_scores(*a[:3], fmt))(*args), np.float32)
+        for backend, mod in (("triton", pallas_triton), ("mosaic", pallas_gpu)):
+            try:   # the scores themselves: the top-k picks differ wherever bf16 scores tie
+                sp = np.asarray(jax.jit(lambda *a: mod.index_scores(*a, fmt))(*args), np.float32).reshape(B, Q, -1)
+                emit(dict(op="indexer_scores", backend=backend, batch=B, scores_equal_fraction=float(np.mean(sp == sx)),
+                          max_abs_diff=float(np.max(np.abs(sp - sx))), scale=float(np.max(np.abs(sx)))))
+                fn = run("pallas", backend=backend)
                 got = fn(*args)
                 same = float(np.mean(np.asarray(got[0]) == np.asarray(want[0])))
-                emit(dict(op="indexer_topk", case="1M", batch=B, entries=N, impl="pallas", options=opts,
+                emit(dict(op="indexer_topk", case="1M", batch=B, entries=N, impl="pallas", options={"backend": backend},
                           us=time_us(fn, *args, calls=5), bytes=nbytes, same_indices_fraction=same, xla_us=t_xla))
             except Exception as e:  # noqa: BLE001
-                emit(dict(op="indexer_topk", case="1M", batch=B, impl="pallas", options=opts, error=repr(e)[:800]))
+                emit(dict(op="indexer_topk", batch=B, impl="pallas", options={"backend": backend}, error=repr(e)[:800]))
 
 
 # ----------------------------------------------------------------------------- MoE expert GEMM

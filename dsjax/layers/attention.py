@@ -133,12 +133,11 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     new = commit_layer(x, kv_stored, w, cfg, layer, st, start, n_valid)
     ratio = cfg.layer_ratio(layer)
     if choose(cfg, "sparse_mqa", rows=B * T, dtype=q.dtype, sharded=active_mesh() is not None) == "pallas":
-        from dsjax.layers.sparse_attention import sparse_attention   # the kernel path (dsjax.kernels)
+        from dsjax.layers.sparse_attention import pick_entries, sparse_attention   # kernel path
         visible = compressed_visible(q_pos, new.compressor.entries.shape[1], ratio) if ratio else None
         chosen = None
         if ratio and w.indexer is not None:
-            index_keys = kv_rows.load_index(new.index.entries, cfg)
-            chosen = select_topk(index_scores(x, iq, index_keys, w.indexer, cfg), visible, cfg.index_topk)
+            chosen = pick_entries(x, iq, w.indexer, cfg, new.index.entries, q_pos, ratio, visible)
         o = sparse_attention(q, w.attn_sink, st.window, kv_stored, new.compressor, chosen, cfg, ratio, start)
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new, (x, kv_stored)
     keys, valid = window_keys(st.window, kv_stored, start, cfg.window_size)

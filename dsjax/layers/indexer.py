@@ -27,11 +27,17 @@ def index_queries(qr, w: Indexer, cfg: ModelConfig, angles):
     return q
 
 
+def index_weights(x, w: Indexer, cfg: ModelConfig):
+    """x [b,s,D] -> the per-head weights [b,s,nh] in the compute dtype (scaled by dh^-½ · nh^-½, rounded)."""
+    dt = x.dtype
+    scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+    return round_to(matmul(x, w.weights_proj.astype(dt), dt).astype(jnp.float32) * scale, dt)
+
+
 def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig):
     """x [b,s,D], q [b,s,nh,dh], keys [b,T,dh] (the index-key cache) -> scores [b,s,T] in the compute dtype."""
     dt = x.dtype
-    scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-    weights = round_to(matmul(x, w.weights_proj.astype(dt), dt).astype(jnp.float32) * scale, dt)
+    weights = index_weights(x, w, cfg)
     s = round_to(einsum_acc32("bshd,btd->bsht", q, keys), dt)
     s = round_to(jnp.maximum(s, 0).astype(jnp.float32) * weights[..., None].astype(jnp.float32), dt)
     return round_to(jnp.sum(s.astype(jnp.float32), axis=2), dt)

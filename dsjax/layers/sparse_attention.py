@@ -9,8 +9,23 @@ picks or every completed HCA entry — so the result is `sink_attention`'s up to
 import jax.numpy as jnp
 
 from dsjax import kv_rows
+from dsjax.kernel_choice import choose
 from dsjax.kernels import sparse_mqa
-from dsjax.kernels.common import MainRowFormat
+from dsjax.kernels.indexer_topk import indexer_topk
+from dsjax.kernels.common import IndexRowFormat, MainRowFormat
+from dsjax.layers.indexer import index_scores, index_weights, select_topk
+
+
+def pick_entries(x, iq, w, cfg, index_entries, q_pos, ratio: int, visible):
+    """The CSA layer's top-k compressed entries per query (indices, valid): the indexer kernel on the stored
+    index-key rows when `dsjax.kernel_choice` picks it, else the model's XLA scoring + top-k."""
+    B, T = q_pos.shape
+    if choose(cfg, "indexer_topk", rows=B * T, dtype=x.dtype) == "pallas":
+        keys = index_entries if kv_rows.index_rows_compact(cfg) else index_entries.astype(x.dtype)
+        return indexer_topk(iq, index_weights(x, w, cfg), keys, (q_pos + 1) // ratio, cfg.index_topk,
+                            row_format=IndexRowFormat.from_config(cfg), implementation="pallas")
+    scores = index_scores(x, iq, kv_rows.load_index(index_entries, cfg), w, cfg)
+    return select_topk(scores, visible, cfg.index_topk)
 
 
 def sparse_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, start):

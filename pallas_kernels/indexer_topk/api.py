@@ -1,7 +1,7 @@
 """Lightning-indexer scoring + top-k: the op contract and backend selection."""
 
 from dsjax.kernels.common import IndexRowFormat, check_implementation
-from dsjax.kernels.indexer_topk import pallas_gpu, reference, xla
+from dsjax.kernels.indexer_topk import pallas_gpu, pallas_triton, reference, xla
 
 
 def indexer_topk(q, weights, keys, n_visible, k: int, *, row_format: IndexRowFormat = IndexRowFormat(),
@@ -17,8 +17,10 @@ def indexer_topk(q, weights, keys, n_visible, k: int, *, row_format: IndexRowFor
     Returns (indices int32 [B, Q, k'], valid bool [B, Q, k']), k' = min(k, N): the highest scores, ties to the
     lower index; picks beyond the visible entries are marked invalid.
 
-    implementation: "reference" | "xla" | "pallas" (Mosaic GPU scoring kernel + two-stage top-k; interpret mode
-    off-GPU). tile: the first top-k stage's width. kernel_options (block_n, interpret) go to the Pallas path only.
+    implementation: "reference" | "xla" | "pallas" (Triton-lowered scoring kernel + the two-stage top-k; the HLO
+    interpreter off-GPU). tile: the first top-k stage's width. kernel_options (block_n, num_warps, num_stages,
+    interpret) go to the Pallas path only; backend="mosaic" selects the Mosaic GPU scoring kernel instead, whose
+    head sum is off by a bf16 ulp at >= 32 heads (docs/kernels.md).
     """
     impl = check_implementation(implementation)
     args = (q, weights, keys, n_visible, k)
@@ -26,4 +28,6 @@ def indexer_topk(q, weights, keys, n_visible, k: int, *, row_format: IndexRowFor
         return reference.indexer_topk(*args, row_format=row_format)
     if impl == "xla":
         return xla.indexer_topk(*args, row_format=row_format, tile=tile)
-    return pallas_gpu.indexer_topk(*args, row_format=row_format, tile=tile, **kernel_options)
+    backend = kernel_options.pop("backend", "triton")
+    module = {"triton": pallas_triton, "mosaic": pallas_gpu}[backend]
+    return module.indexer_topk(*args, row_format=row_format, tile=tile, **kernel_options)
