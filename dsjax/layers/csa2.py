@@ -174,7 +174,8 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         if w.compressor is not None:
             new = LayerState41(window=new.window, source=update_source(x, w, st.source, cfg, layer, start, n_valid))
             shared["sources"][layer] = new.source
-            _publish_index_keys(shared, new.source, start, n_valid, ratio)
+            if cfg.reference_index_key_bug:
+                _publish_index_keys(shared, new.source, start, n_valid, ratio)
         src = shared["sources"][kv_source_of(cfg, layer)]
         N = src.entries.shape[1]
         visible = compressed_visible(q_pos, N, ratio)                                # [B,T,N]
