@@ -103,7 +103,7 @@ def test_pallas_scoring_lowers_for_h200(compact):
 @pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
 def test_triton_scores_exact_at_64_heads(test_seed, compact):
     """V4's 64 index heads x 128 dims: the Triton kernel's scores equal the reference's bit for bit (the head sum
-    of bf16-rounded terms; the Mosaic kernel is off by an ulp here, docs/kernels.md)."""
+    of bf16-rounded terms: roundings XLA's excess precision would drop in interpret mode are integer ops)."""
     from dsjax.kernels.indexer_topk import pallas_triton, reference
     fmt, nh, B, Q, N = IndexRowFormat(), 64, 1, 2, 300
     ks = jax.random.split(jax.random.key(test_seed), 3)

@@ -19,8 +19,8 @@ def indexer_topk(q, weights, keys, n_visible, k: int, *, row_format: IndexRowFor
 
     implementation: "reference" | "xla" | "pallas" (Triton-lowered scoring kernel + the two-stage top-k; the HLO
     interpreter off-GPU). tile: the first top-k stage's width. kernel_options (block_n, num_warps, num_stages,
-    interpret) go to the Pallas path only; backend="mosaic" selects the Mosaic GPU scoring kernel instead, whose
-    head sum is off by a bf16 ulp at >= 32 heads (docs/kernels.md).
+    interpret) go to the Pallas path only; backend="mosaic" selects the Mosaic GPU (wgmma) scoring kernel
+    instead of the Triton one.
     """
     impl = check_implementation(implementation)
     args = (q, weights, keys, n_visible, k)
