@@ -129,7 +129,7 @@ def enable_compilation_cache(path: str | None = DEFAULT_COMPILATION_CACHE) -> No
 
 def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "reference-bf16",
          kernels: str = "auto", max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0,
-         compilation_cache: str | None = DEFAULT_COMPILATION_CACHE) -> Model:
+         compilation_cache: str | None = DEFAULT_COMPILATION_CACHE, ignore_vision: bool = False) -> Model:
     """Load a checkpoint directory (official or transformers layout, or a dsjax Orbax directory) or a preset.
 
     A preset has no released weights here: it gets random weights (seeded), fine for tiny presets and tests.
@@ -137,6 +137,8 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
     `ep`: routed experts over the "tp" devices (default) or over "all" devices of the mesh.
     `compilation_cache`: directory of JAX's persistent compilation cache (default ~/.cache/dsjax/xla; None
     leaves JAX's own setting alone).
+    `ignore_vision`: load a V4.1 checkpoint that carries the vision tower as the text model (without it, its
+    tensors are refused by name: vision is not implemented yet).
     """
     enable_compilation_cache(compilation_cache)
     if numerics not in NUMERICS:
@@ -164,7 +166,7 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
             params = orbax_io.restore_params(path, cfg, shardings)
         else:
             cfg, shardings, sizes = setup(checkpoint.checkpoint_config(path))
-            params = checkpoint.load_params(path, cfg, shardings=shardings)
+            params = checkpoint.load_params(path, cfg, shardings=shardings, ignore_vision=ignore_vision)
         return Model(cfg, params, source=path, mesh=mesh, **sizes)
     if path in PRESETS:
         cfg, shardings, sizes = setup(preset(path))

@@ -77,6 +77,9 @@ def test_vision_tensors_are_refused_by_name(tmp_path):
                                               r".weight\).*not implemented.*ignore_vision=True"):
         checkpoint.load_params(str(tmp_path))
     assert checkpoint.load_params(str(tmp_path), ignore_vision=True).layers[1].engram is not None
+    with pytest.raises(CheckpointError, match="ignore_vision=True"):
+        dsjax.load(str(tmp_path), compilation_cache=None)
+    assert dsjax.load(str(tmp_path), ignore_vision=True, compilation_cache=None).cfg.family == "v4.1"
 
 
 @needs_case
