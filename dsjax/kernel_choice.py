@@ -18,10 +18,10 @@ log = logging.getLogger("dsjax.kernels")
 _CHOSEN: dict[tuple, str] = {}
 
 
-def _measured_faster(op: str, rows: int, fmt: str | None) -> bool:
+def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int) -> bool:
     """H200, jax 0.11.2, 2026-11-30 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
-    if op == "sparse_mqa":      # 1.43-1.47x at 32 slots x 6 queries; 0.7-1.0x at 1 slot
-        return rows >= 32
+    if op == "sparse_mqa":      # 1.43-1.47x at 32 slots x 6 queries; 0.7-1.0x at 1 slot. Prefill shapes were not
+        return rows >= 32 and chunk <= 16   # timed alone, and a 1,024-token slice prefill ran slower with kernels
     if op == "moe_gemm":        # FP4: 1.07-1.6x at 1-8 tokens, 4.2-7.2x at 256-1024; bf16/FP8: 2.8-3.2x at 8, slower at 1
         return fmt == "fp4" or rows >= 8
     if op == "indexer_topk":    # 1M context: 1.30x at 1 slot x 6 queries, 0.94x at 32 slots
@@ -29,8 +29,9 @@ def _measured_faster(op: str, rows: int, fmt: str | None) -> bool:
     return False
 
 
-def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: bool = False) -> str:
-    """The implementation of `op` for a call with `rows` query rows / tokens in compute `dtype`."""
+def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: bool = False, chunk: int = 1) -> str:
+    """The implementation of `op` for a call with `rows` query rows / tokens in compute `dtype`, `chunk` tokens
+    per sequence (1 decode, k+1 verify, more for prefill chunks)."""
     mode = cfg.kernels
     if mode in ("xla", "reference"):
         impl = "xla" if mode == "xla" or op != "moe_gemm" else "reference"
@@ -40,7 +41,7 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
         if mode == "pallas":
             impl = "pallas" if usable else "xla"
         else:
-            impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt) else "xla"
+            impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt, chunk) else "xla"
     key = (op, rows, str(jnp.dtype(dtype)), fmt, sharded, mode)
     if key not in _CHOSEN:
         _CHOSEN[key] = impl

@@ -132,7 +132,7 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     kv_stored = kv_rows.store_main(kv, cfg)
     new = commit_layer(x, kv_stored, w, cfg, layer, st, start, n_valid)
     ratio = cfg.layer_ratio(layer)
-    if choose(cfg, "sparse_mqa", rows=B * T, dtype=q.dtype, sharded=active_mesh() is not None) == "pallas":
+    if choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype, sharded=active_mesh() is not None) == "pallas":
         from dsjax.layers.sparse_attention import pick_entries, sparse_attention   # kernel path
         visible = compressed_visible(q_pos, new.compressor.entries.shape[1], ratio) if ratio else None
         chosen = None
