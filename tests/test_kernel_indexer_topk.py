@@ -88,19 +88,6 @@ def test_two_stage_topk_at_1m_context(test_seed):
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
-def test_pallas_scoring_lowers_for_h200(compact):
-    """V4 shapes (64 index heads × 128 dims, 68-byte FP4 rows or bf16 keys) lower to one Mosaic GPU kernel."""
-    from dsjax.kernels.indexer_topk import pallas_gpu
-    fmt = IndexRowFormat()
-    B, Q, nh, dh, N = 2, 3, 64, 128, 1000
-    S = jax.ShapeDtypeStruct
-    keys = S((B, N, fmt.row_bytes), jnp.uint8) if compact else S((B, N, dh), jnp.bfloat16)
-    text = lower_for_h200(lambda q, w, k, nv: pallas_gpu.index_scores(q, w, k, nv, fmt, interpret=False),
-                          S((B, Q, nh, dh), jnp.bfloat16), S((B, Q, nh), jnp.bfloat16), keys, S((B, Q), jnp.int32))
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
 def test_triton_scores_exact_at_64_heads(test_seed, compact):
     """V4's 64 index heads x 128 dims: the Triton kernel's scores equal the reference's bit for bit (the head sum
     of bf16-rounded terms: roundings XLA's excess precision would drop in interpret mode are integer ops)."""
@@ -120,13 +107,17 @@ def test_triton_scores_exact_at_64_heads(test_seed, compact):
     assert np.all(got[0, 1, 256:] == -np.inf)
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
 @pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
-def test_triton_scoring_lowers_for_h200(compact):
-    from dsjax.kernels.indexer_topk import pallas_triton
+def test_scoring_lowers_for_h200(compact, backend):
+    """V4 shapes (64 index heads x 128 dims, 68-byte FP4 rows or bf16 keys, 6 queries) lower for CUDA: the Triton
+    kernel to its TTIR module, the Mosaic GPU one through wgmma, SMEM transforms and layout inference."""
+    from dsjax.kernels.indexer_topk import pallas_gpu, pallas_triton
+    module, marker = {"triton": (pallas_triton, "xla.gpu.triton"), "mosaic": (pallas_gpu, "mosaic_gpu")}[backend]
     fmt = IndexRowFormat()
     B, Q, nh, dh, N = 2, 6, 64, 128, 4096
     S = jax.ShapeDtypeStruct
     keys = S((B, N, fmt.row_bytes), jnp.uint8) if compact else S((B, N, dh), jnp.bfloat16)
-    text = lower_for_h200(lambda q, w, k, nv: pallas_triton.index_scores(q, w, k, nv, fmt, interpret=False),
+    text = lower_for_h200(lambda q, w, k, nv: module.index_scores(q, w, k, nv, fmt, interpret=False),
                           S((B, Q, nh, dh), jnp.bfloat16), S((B, Q, nh), jnp.bfloat16), keys, S((B, Q), jnp.int32))
-    assert "xla.gpu.triton" in text
+    assert marker in text

@@ -11,9 +11,7 @@ slot (1 = decode, k+1 = verify) inside one on-device loop; the first step's logi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 
 import jax
@@ -23,6 +21,7 @@ import numpy as np
 from dsjax import kernel_choice
 from dsjax.bench.device_weights import device_params
 from dsjax.bench.mesh_steps import slice_config, timed
+from dsjax.bench.report import write_report
 from dsjax.model import forward_chunk
 from dsjax.state import init_state
 
@@ -77,15 +76,8 @@ def main(argv=None) -> int:
         rec["argmax_agree"] = float(np.mean(lg.argmax(-1) == ref.argmax(-1)))
         runs.append(rec)
         print(json.dumps(rec), flush=True)
-    report = {"benchmark": "kernel_steps", "config": base.name, "args": vars(args), "runs": runs,
-              "choices": kernel_choice.choices(), "machine": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-              "command": "python -m dsjax.bench.kernel_steps " + " ".join(argv)}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report("kernel_steps", argv, args.out, config=base.name, args=vars(args), runs=runs,
+                 choices=kernel_choice.choices())
     return 0
 
 

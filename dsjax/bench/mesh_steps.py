@@ -11,9 +11,6 @@ loop; ms/step). The TP>1 logits and greedy tokens are compared with TP=1's.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 import time
 
@@ -23,6 +20,7 @@ import numpy as np
 
 from dsjax import sharding
 from dsjax.bench.device_weights import device_params
+from dsjax.bench.report import write_report
 from dsjax.config import preset
 from dsjax.model import forward_chunk
 from dsjax.state import init_state
@@ -107,15 +105,7 @@ def main(argv=None) -> int:
                                                         axis=0)).sum())
     for r in runs:
         del r["last_logits"]
-    report = {"benchmark": "mesh_steps", "config": cfg.name, "weight_bytes": nbytes(cfg), "runs": runs,
-              "machine": f"{jax.devices()[0].device_kind} x{len(jax.devices())}", "jax": jax.__version__,
-              "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-              "command": "python -m dsjax.bench.mesh_steps " + " ".join(argv)}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_report("mesh_steps", argv, args.out, config=cfg.name, weight_bytes=nbytes(cfg), runs=runs)
     return 0
 
 
