@@ -62,8 +62,9 @@ def test_oracle_drafts_are_accepted_in_full(test_seed):
         assert s.stats["acceptance_length"] == k + 1 and s.stats["acceptance_per_position"] == [1.0] * k
 
 
-@pytest.mark.parametrize("seed", [101, 202])
-def test_corrupted_oracle_matches_the_closed_form(seed):
+def test_corrupted_oracle_matches_the_closed_form(test_seed):
+    """Fresh prompts and sampling seed each run (printed); the 6-sigma bound makes a false failure ~1e-9."""
+    seed = test_seed % (2 ** 31)
     m, k, alpha = model(), 3, 0.6
     prompts = _prompts(seed, (5, 8, 11, 14))
     plain = m.generate(prompts, 70, stop_token_ids=[])
