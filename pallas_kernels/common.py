@@ -80,12 +80,12 @@ def dequant_main_rows(rows, fmt: MainRowFormat):
 
 
 def fp4_code_to_f32(c):
-    """e2m1 code (sign in bit 3) -> fp32 without a table gather: 0.5·m if e == 0 else (2+m)·2^(e-2)."""
+    """e2m1 code (sign in bit 3) -> fp32 built from its bits, integer ops only (no table gather, no float selects:
+    cheap in a kernel): e == 0 -> 0.5·m, else (1 + m/2)·2^(e-1), signed zeros kept."""
     c = c.astype(jnp.int32)
-    m = (c & 1).astype(jnp.float32)
-    e = (c >> 1) & 3
-    mag = jnp.where(e == 0, 0.5 * m, (2.0 + m) * jnp.where(e == 3, 2.0, jnp.where(e == 2, 1.0, 0.5)))
-    return jnp.where((c & 8) != 0, -mag, mag)
+    m, e = c & 1, (c >> 1) & 3
+    bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22)) | ((c >> 3) << 31)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
 
 
 def dequant_index_rows(rows, fmt: IndexRowFormat):
@@ -267,13 +267,13 @@ def dot_nn(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def fp4_code_to_bf16_exact(c):
-    """e2m1 code (sign in bit 3) -> fp32 built from its bits (integer ops only: cheaper than float selects in a
-    kernel): e == 0 -> 0.5·m, else (1 + m/2)·2^(e-1); the same values as `fp4_code_to_f32`, signed zeros too."""
-    c = c.astype(jnp.int32)
-    m, e = c & 1, (c >> 1) & 3
-    bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22)) | ((c >> 3) << 31)
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+def fp4_pieces(packed, j, scale, dtype):
+    """Packed e2m1 bytes [rows, n] at byte columns j (logical columns 2j, 2j+1) sharing a per-row `scale` ->
+    the even-column (low nibble) and odd-column (high nibble) value pieces as (columns, values, scale) triples:
+    never interleaved, so no reshape or stack in a kernel."""
+    packed = packed.astype(jnp.int32)
+    return [(2 * j, fp4_code_to_f32(packed & 0xF).astype(dtype), scale),
+            (2 * j + 1, fp4_code_to_f32(packed >> 4).astype(dtype), scale)]
 
 
 def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype):
@@ -288,10 +288,8 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
         out = []
         for b0 in range(0, bk, block):
             j = iota(block // 2) + (k0 + b0) // 2
-            packed = gather(w_ref, e, r2, j[None, :]).astype(jnp.int32)
             scale = e8m0_to_f32(gather(s_ref, e, rows, (k0 + b0) // block))
-            out.append((2 * j, fp4_code_to_bf16_exact(packed & 0xF).astype(dtype), scale))
-            out.append((2 * j + 1, fp4_code_to_bf16_exact(packed >> 4).astype(dtype), scale))
+            out += fp4_pieces(gather(w_ref, e, r2, j[None, :]), j, scale, dtype)
         return out
     cols = iota(bk) + k0
     vals = gather(w_ref, e, r2, cols[None, :]).astype(dtype)

@@ -40,13 +40,12 @@ def route(x, token_ids, w: MoE, cfg: ModelConfig):
     return weights * cfg.route_scale, ids
 
 
-def swiglu(gate, up, limit: float, silu_fn=silu):
-    """silu(min(gate, limit)) · clip(up, ±limit) in fp32. Kernels pass a silu without the optimization barrier
-    (which Triton cannot lower)."""
+def swiglu(gate, up, limit: float):
+    """silu(min(gate, limit)) · clip(up, ±limit) in fp32."""
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
-    return silu_fn(gate) * up
+    return silu(gate) * up
 
 
 def shared_expert(x, w: MoE, cfg: ModelConfig):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import (dot_nt, e8m0_to_f32, fp4_code_to_bf16_exact, gather, iota, pad_axis, round_bf,
+from dsjax.kernels.common import (dot_nt, e8m0_to_f32, fp4_pieces, gather, iota, pad_axis, round_bf,
                                   row_width, triton_interpret, triton_params)
 from dsjax.kernels.indexer_topk.xla import topk_lower_index
 
@@ -28,10 +28,8 @@ def _key_pieces(k_ref, b, rows, fmt, dh: int, dtype):
     out, hb = [], fmt.block // 2
     for blk in range(dh // fmt.block):
         j = iota(hb) + blk * hb
-        packed = gather(k_ref, b, r2, j[None, :]).astype(jnp.int32)
         scale = e8m0_to_f32(gather(k_ref, b, rows, dh // 2 + blk))
-        out.append((2 * j, fp4_code_to_bf16_exact(packed & 0xF).astype(dtype), scale))
-        out.append((2 * j + 1, fp4_code_to_bf16_exact(packed >> 4).astype(dtype), scale))
+        out += fp4_pieces(gather(k_ref, b, r2, j[None, :]), j, scale, dtype)
     return out
 
 
