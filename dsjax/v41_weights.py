@@ -13,7 +13,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
-from dsjax.weights import ArrayInfo, HyperMix, Linear, MoE, _hyper, _linear, _norm, pytree
+from dsjax.weights import ArrayInfo, HyperMix, Linear, MoE, _attention_core, _hyper, _linear, _norm, pytree
 
 
 @pytree
@@ -137,7 +137,7 @@ def engram_columns(cfg: ModelConfig) -> int:
 
 # ---------------------------------------------------------------------- the description
 def _attention41(cfg: ModelConfig, layer: int) -> Attention41:
-    H, d, D, G, R = cfg.n_heads, cfg.head_dim, cfg.dim, cfg.o_groups, cfg.o_lora_rank
+    d, D = cfg.head_dim, cfg.dim
     ratio = cfg.layer_ratio(layer)
     std = (1.0 / D) ** 0.5
     compressor = indexer = None
@@ -153,18 +153,7 @@ def _attention41(cfg: ModelConfig, layer: int) -> Attention41:
             weights_proj=ArrayInfo((cfg.index_n_heads, D), jnp.bfloat16, ("index_heads", None), ("normal", std)),
             wk=ArrayInfo((cfg.index_head_dim, d), jnp.bfloat16, (None, None), ("normal", (1.0 / d) ** 0.5)) if owner else None,
             k_norm=_norm(cfg.index_head_dim) if owner else None)
-    return Attention41(
-        attn_sink=ArrayInfo((H,), jnp.float32, ("heads",), ("normal", 1.0)),
-        wq_a=_linear(cfg, cfg.q_lora_rank, D, (None, None)),
-        q_norm=_norm(cfg.q_lora_rank),
-        wq_b=_linear(cfg, H * d, cfg.q_lora_rank, ("heads", None)),
-        wkv=_linear(cfg, d, D, (None, None)),
-        kv_norm=_norm(d),
-        wo_a=ArrayInfo((G * R, H * d // G), jnp.bfloat16, ("heads", None), ("normal", (G / (H * d)) ** 0.5)),
-        wo_b=_linear(cfg, D, G * R, (None, "heads")),
-        compressor=compressor,
-        indexer=indexer,
-    )
+    return Attention41(**_attention_core(cfg), compressor=compressor, indexer=indexer)
 
 
 def _moe41(cfg: ModelConfig, layer: int) -> MoE41:

@@ -183,7 +183,7 @@ def _compressor(cfg: ModelConfig, ratio: int, d: int) -> Compressor:
 
 
 def _attention(cfg: ModelConfig, layer: int) -> Attention:
-    H, d, D, G, R = cfg.n_heads, cfg.head_dim, cfg.dim, cfg.o_groups, cfg.o_lora_rank
+    d, D = cfg.head_dim, cfg.dim
     ratio = cfg.layer_ratio(layer)
     kind = cfg.layer_kind(layer)
     compressor = _compressor(cfg, ratio, d) if ratio else None
@@ -194,7 +194,13 @@ def _attention(cfg: ModelConfig, layer: int) -> Attention:
             weights_proj=ArrayInfo((cfg.index_n_heads, D), jnp.bfloat16, ("index_heads", None), ("normal", (1.0 / D) ** 0.5)),
             compressor=_compressor(cfg, ratio, cfg.index_head_dim),
         )
-    return Attention(
+    return Attention(**_attention_core(cfg), compressor=compressor, indexer=indexer)
+
+
+def _attention_core(cfg: ModelConfig) -> dict:
+    """The attention leaves V4 and V4.1 share: sink, low-rank q, the KV latent projection, grouped low-rank output."""
+    H, d, D, G, R = cfg.n_heads, cfg.head_dim, cfg.dim, cfg.o_groups, cfg.o_lora_rank
+    return dict(
         attn_sink=ArrayInfo((H,), jnp.float32, ("heads",), ("normal", 1.0)),
         wq_a=_linear(cfg, cfg.q_lora_rank, D, (None, None)),
         q_norm=_norm(cfg.q_lora_rank),
@@ -203,8 +209,6 @@ def _attention(cfg: ModelConfig, layer: int) -> Attention:
         kv_norm=_norm(d),
         wo_a=ArrayInfo((G * R, H * d // G), jnp.bfloat16, ("heads", None), ("normal", (G / (H * d)) ** 0.5)),
         wo_b=_linear(cfg, D, G * R, (None, "heads")),
-        compressor=compressor,
-        indexer=indexer,
     )
 
 
