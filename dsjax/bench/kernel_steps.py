@@ -20,20 +20,16 @@ import numpy as np
 
 from dsjax import kernel_choice
 from dsjax.bench.device_weights import device_params
-from dsjax.bench.mesh_steps import slice_config, timed
+from dsjax.bench.mesh_steps import slice_config, state_at, timed
 from dsjax.bench.report import write_report
 from dsjax.model import forward_chunk
-from dsjax.state import init_state
 
 
 def steps(params, cfg, args):
     """(ms per step, first step's logits) for `args.steps` chunks of `args.chunk` tokens per slot."""
 
     def run(p, tok):
-        state = init_state(cfg, args.batch, args.max_seq)
-        state = state.__class__(lengths=jnp.full((args.batch,), args.context, jnp.int32), layers=state.layers,
-                                mtp=state.mtp)
-        lg0, state = forward_chunk(p, cfg, tok, state)
+        lg0, state = forward_chunk(p, cfg, tok, state_at(cfg, args.batch, args.max_seq, args.context))
 
         def body(i, c):
             state, tok = c

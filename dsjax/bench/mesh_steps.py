@@ -11,6 +11,7 @@ loop; ms/step). The TP>1 logits and greedy tokens are compared with TP=1's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -36,6 +37,11 @@ def slice_config(layers: int, experts: int):
     return cfg.replace(name=f"v4-flash-slice{layers}x{experts}")
 
 
+def state_at(cfg, batch: int, max_seq: int, position: int):
+    """Empty caches for `batch` rows, every row at `position`: steps timed as if deep into a context."""
+    return dataclasses.replace(init_state(cfg, batch, max_seq), lengths=jnp.full((batch,), position, jnp.int32))
+
+
 def timed(fn, *args, repeats: int = 3):
     out = jax.block_until_ready(fn(*args))  # warm-up / compile
     best = float("inf")
@@ -56,9 +62,7 @@ def run_tp(cfg, tp: int, args) -> dict:
         (logits, _), t_prefill = timed(prefill, params, prompt)
 
         def decode(p, tok):
-            state = init_state(cfg, args.batch, args.max_seq)
-            state = state.__class__(lengths=jnp.full((args.batch,), args.max_seq // 2, jnp.int32),
-                                    layers=state.layers, mtp=state.mtp)
+            state = state_at(cfg, args.batch, args.max_seq, args.max_seq // 2)
 
             def body(i, c):
                 state, tok, toks = c
