@@ -42,18 +42,21 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
             impl = "pallas" if usable else "xla"
         else:
             impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt, chunk) else "xla"
-    key = (op, rows, str(jnp.dtype(dtype)), fmt, sharded, mode)
+    key = (op, mode, rows, chunk, str(jnp.dtype(dtype)), fmt, sharded)
     if key not in _CHOSEN:
         _CHOSEN[key] = impl
-        log.info("kernels=%s: %s rows=%d dtype=%s fmt=%s%s -> %s", mode, op, rows, jnp.dtype(dtype), fmt,
-                 " (sharded)" if sharded else "", impl)
+        log.info("%s: %s -> %s", op, _describe(key), impl)
     return impl
 
 
+def _describe(key) -> str:
+    op, mode, rows, chunk, dtype, fmt, sharded = key
+    return f"kernels={mode} rows={rows} chunk={chunk} dtype={dtype} fmt={fmt}{' sharded' if sharded else ''}"
+
+
 def choices() -> dict[str, list[str]]:
-    """Every choice made so far in this process, per op: 'rows=… dtype=… fmt=… -> impl'."""
+    """Every choice made so far in this process, per op: 'kernels=… rows=… chunk=… dtype=… fmt=… -> impl'."""
     out: dict[str, list[str]] = {}
-    for (op, rows, dtype, fmt, sharded, mode), impl in _CHOSEN.items():
-        out.setdefault(op, []).append(f"kernels={mode} rows={rows} dtype={dtype} fmt={fmt}"
-                                      f"{' sharded' if sharded else ''} -> {impl}")
+    for key, impl in _CHOSEN.items():
+        out.setdefault(key[0], []).append(f"{_describe(key)} -> {impl}")
     return out

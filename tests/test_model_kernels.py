@@ -61,6 +61,6 @@ def test_choices_are_reported(models, caplog):
         assert kernel_choice.choose(cfg, "sparse_mqa", rows=977, dtype=jnp.bfloat16) == "pallas"
         assert kernel_choice.choose(cfg, "sparse_mqa", rows=977, dtype=jnp.bfloat16) == "pallas"
         assert kernel_choice.choose(cfg, "moe_gemm", rows=977, dtype=jnp.float32, fmt="fp4") == "xla"  # fp32: none
-    assert sum("sparse_mqa rows=977" in r.getMessage() for r in caplog.records) == 1
-    assert "kernels=pallas rows=977 dtype=bfloat16 fmt=None -> pallas" in kernel_choice.choices()["sparse_mqa"]
+    assert sum("sparse_mqa: kernels=pallas rows=977 chunk=1" in r.getMessage() for r in caplog.records) == 1
+    assert "kernels=pallas rows=977 chunk=1 dtype=bfloat16 fmt=None -> pallas" in kernel_choice.choices()["sparse_mqa"]
     assert kernel_choice.choose(cfg.replace(kernels="auto"), "moe_gemm", rows=8, dtype=jnp.bfloat16, fmt="fp4") == "xla"
