@@ -92,19 +92,21 @@ def k_splits(programs: int, chunks: int, target: int) -> int:
     return ks
 
 
-def _grouped_matmul(name, inp, lin_list, tiles, rows_of_tile, n_out: int, block_o: int, bk: int, dt, params,
-                    interpret, target: int):
-    """fp32 partial products [splits, P+pad, n_out] per Linear of lin_list (same format, same input) for every
-    tile's pairs: grid (tiles, n_out / block_o, splits of the contraction)."""
+def _grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: int, bk: int, block_m: int, dt,
+                    params, interpret, target: int):
+    """fp32 partial products [splits, P_pad, n_out] per Linear of lin_list (same format, same input) for every
+    tile's pairs: grid (tiles, n_out / block_o, splits of the contraction). Pair p reads input row
+    row_index[p] (x by token) or, with row_index None, row p (h by pair); P_pad = inp rows or len(row_index)."""
     T, n_in = tiles.shape[0], inp.shape[1]
+    P_pad = inp.shape[0] if row_index is None else row_index.shape[0]
     lin = lin_list[0]
     ks = k_splits(T * (n_out // block_o), n_in // bk, target)
     per = n_in // ks
-    block_m, gather_rows, P_pad, row_index = rows_of_tile
 
     def body(tiles_ref, *rest):
         refs = list(rest)
-        idx_ref, in_ref = refs.pop(0), refs.pop(0)
+        idx_ref = refs.pop(0) if row_index is not None else None
+        in_ref = refs.pop(0)
         lin_refs = [_refs(lin, refs) for _ in lin_list]
         out_refs = refs
         t, jo, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -114,18 +116,18 @@ def _grouped_matmul(name, inp, lin_list, tiles, rows_of_tile, n_out: int, block_
         def _():
             rows_p = r0 + iota(block_m)
             ok = rows_p < r_end
-            src = gather(idx_ref, rows_p, mask=ok) if gather_rows else rows_p
+            src = rows_p if idx_ref is None else gather(idx_ref, rows_p, mask=ok)
             out_rows = iota(block_o) + jo * block_o
             x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])
             accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, block_m)
             for o_ref, acc in zip(out_refs, accs):
                 plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
 
-    outs = pl.pallas_call(
+    index = [] if row_index is None else [row_index]
+    return pl.pallas_call(
         body, out_shape=tuple(jax.ShapeDtypeStruct((ks, P_pad, n_out), jnp.float32) for _ in lin_list),
         grid=(T, n_out // block_o, ks), compiler_params=params, interpret=interpret, name=name,
-    )(tiles, row_index, inp, *[a for l in lin_list for a in _stored(l)])
-    return outs
+    )(tiles, *index, inp, *[a for l in lin_list for a in _stored(l)])
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int = 16,
@@ -140,8 +142,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     dt = x.dtype
     if dt == jnp.float32 or w1.fmt == "f32":
         raise ValueError("moe_gemm pallas: bf16 compute only (fp32 numerics use the xla path)")
-    common = dict(dt=dt, params=triton_params(num_warps, num_stages), interpret=triton_interpret(interpret),
-                  target=target_programs)
+    common = dict(block_m=block_m, dt=dt, params=triton_params(num_warps, num_stages),
+                  interpret=triton_interpret(interpret), target=target_programs)
 
     # Pairs: picks sorted by expert within each token (the reference's summation order), repeats merged.
     in_row = jnp.argsort(ids, axis=-1, stable=True)
@@ -150,18 +152,17 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     key = jnp.where(pw != 0, ids_s, E)
     order, tiles = tile_map(key, E, block_m)
     P = n * k
-    P_pad = P + block_m                              # a tile's rows never run past the buffers
-    tok = jnp.pad((order // k).astype(jnp.int32), (0, block_m))
+    tok = jnp.pad((order // k).astype(jnp.int32), (0, block_m))   # padded: a tile's rows never run past the buffers
     xq = quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x
 
-    g, u = _grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, (block_m, True, P_pad, tok), I, block_i,
-                           _chunk(w1.fmt, w1.block, block_k), **common)
+    g, u = _grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, _chunk(w1.fmt, w1.block, block_k),
+                           **common)
     g, u = (round_bf(sum_in_order(a, axis=0), dt) for a in (g, u))
     h = (_moe.swiglu(g, u, swiglu_limit) * jnp.pad(pw[order], (0, block_m))[:, None]).astype(dt)
     if act_quant_sim:
         h = quant.fp8_e4m3_sim(h, act_quant_block)
-    (y,) = _grouped_matmul("moe_gemm_down", h, [w2], tiles, (block_m, False, P_pad, tok), D, block_d,
-                           _chunk(w2.fmt, w2.block, block_k), **common)
+    (y,) = _grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, _chunk(w2.fmt, w2.block, block_k),
+                           **common)
     y_sorted = sum_in_order(y, axis=0).astype(dt)
     kept = key[order] < E                           # dropped pairs were never written
     y = jnp.zeros((P, D), dt).at[order].set(jnp.where(kept[:, None], y_sorted[:P], 0))
