@@ -10,6 +10,7 @@ the XLA paths and inside Pallas kernels on loaded tiles. They decode the layouts
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +218,11 @@ def triton_interpret(interpret):
 def triton_params(num_warps: int, num_stages: int):
     from jax.experimental.pallas import triton as plt
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def dot_tile(n: int) -> int:
+    """The smallest tile of >= n rows `tl.dot` takes: a power of two, at least 16 (heads are padded to it)."""
+    return max(16, 1 << math.ceil(math.log2(n)))
 
 
 def iota(n: int, offset=0):

@@ -7,13 +7,12 @@ compute dtype, ReLU, times the head weight, rounded, summed over heads in fp32, 
 query's visible entries read nothing and write -inf. The top-k runs afterwards in XLA (`xla.topk_lower_index`).
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import (dot_nt, e8m0_to_f32, fp4_pieces, gather, iota, pad_axis, round_bf,
+from dsjax.kernels.common import (dot_nt, dot_tile, e8m0_to_f32, fp4_pieces, gather, iota, pad_axis, round_bf,
                                   row_width, triton_interpret, triton_params)
 from dsjax.kernels.indexer_topk.xla import topk_lower_index
 
@@ -40,7 +39,7 @@ def index_scores(q, weights, keys, n_visible, row_format, *, block_n: int = 128,
     B, Q, nh, dh = q.shape
     N = keys.shape[1]
     assert row_width(keys, row_format) == dh, (keys.shape, row_format, dh)
-    hp = max(16, 1 << math.ceil(math.log2(nh)))               # tl.dot: M >= 16, power-of-two tiles
+    hp = dot_tile(nh)
     keys = pad_axis(keys, 1, block_n, 0)
     n_tiles = keys.shape[1] // block_n
     dt = q.dtype

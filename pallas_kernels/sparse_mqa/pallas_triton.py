@@ -10,13 +10,12 @@ restaged into swizzled shared memory, which Triton's `tl.dot` does for us.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import (dot_nn, dot_nt, main_row_pieces, pad_axis, row_width, triton_interpret,
+from dsjax.kernels.common import (dot_nn, dot_nt, dot_tile, main_row_pieces, pad_axis, row_width, triton_interpret,
                                   triton_params)
 from dsjax.kernels.sparse_mqa.xla import combine
 
@@ -47,7 +46,7 @@ def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: in
     B, Q, H, d = q.shape
     assert row_width(kv, fmt) == d, (kv.shape, fmt, d)
     width = _piece_width(kv, fmt, d)
-    hp = max(16, 1 << math.ceil(math.log2(H)))          # tl.dot needs M >= 16 and power-of-two tiles
+    hp = dot_tile(H)
     hb = min(hp, head_block)
     groups = hp // hb
     S, per_split = split_shape(idx.shape[-1], block_k, num_splits, B * Q * groups)
