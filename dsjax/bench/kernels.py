@@ -15,10 +15,8 @@ Bytes are what the op must read at least: the distinct rows / experts selected, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import platform
 import sys
 import time
 
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax import kv_rows, quant
+from dsjax.bench.report import run_info
 from dsjax.kernels import indexer_topk, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
 from dsjax.weights import Linear
@@ -80,6 +79,23 @@ def rel_diff(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+def side_by_side(emit, run, args, base: dict, nbytes: int, configs):
+    """Time run("xla") and run("pallas", **config) per config on the same inputs; emit one record each, the
+    Pallas ones with their difference from XLA's output. A config that fails to compile is reported, not fatal."""
+    xla_fn = run("xla")
+    want = xla_fn(*args)
+    t_xla = time_us(xla_fn, *args)
+    emit(dict(base, impl="xla", us=t_xla, bytes=nbytes))
+    for opts in configs:
+        try:
+            fn = run("pallas", **opts)
+            err = rel_diff(fn(*args), want)
+            emit(dict(base, impl="pallas", options=opts, us=time_us(fn, *args), bytes=nbytes, rel_diff_vs_xla=err,
+                      xla_us=t_xla))
+        except Exception as e:  # noqa: BLE001
+            emit(dict(base, impl="pallas", options=opts, error=repr(e)[:500]))
+
+
 # ----------------------------------------------------------------------------- sparse MQA decode attention
 
 def mqa_case(key, B: int, N: int, picks: int | None, Q: int = 6, H: int = 64, window: int = 128):
@@ -124,18 +140,7 @@ def bench_mqa(emit, sweep: bool, smoke: bool = False):
         nbytes = mqa_bytes(args, fmt)
         run = lambda impl, **o: jax.jit(functools.partial(sparse_mqa.sparse_mqa_decode, scale=fmt.dim ** -0.5,
                                                           row_format=fmt, implementation=impl, **o))
-        xla_fn = run("xla")
-        want = xla_fn(*args)
-        t_xla = time_us(xla_fn, *args)
-        emit(dict(op="sparse_mqa", case=name, batch=B, entries=N, impl="xla", us=t_xla, bytes=nbytes))
-        for opts in configs:
-            try:
-                fn = run("pallas", **opts)
-                err = rel_diff(fn(*args), want)
-                emit(dict(op="sparse_mqa", case=name, batch=B, entries=N, impl="pallas", options=opts,
-                          us=time_us(fn, *args), bytes=nbytes, rel_diff_vs_xla=err, xla_us=t_xla))
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
-                emit(dict(op="sparse_mqa", case=name, impl="pallas", options=opts, error=repr(e)[:500]))
+        side_by_side(emit, run, args, dict(op="sparse_mqa", case=name, batch=B, entries=N), nbytes, configs)
 
 
 # ----------------------------------------------------------------------------- lightning indexer
@@ -212,18 +217,8 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             nbytes = moe_bytes(lins, len(np.unique(np.asarray(ids)))) + x.nbytes * 3
             run = lambda impl, **o: jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=True,
                                                               act_quant_block=128, implementation=impl, **o))
-            xla_fn = run("xla")
-            want = xla_fn(*args)
-            t_xla = time_us(xla_fn, *args)
-            emit(dict(op="moe_gemm", fmt=fmt, tokens=n, impl="xla", us=t_xla, bytes=nbytes))
-            for opts in (configs if n <= 8 and fmt == "fp4" else [{}]):
-                try:
-                    fn = run("pallas", **opts)
-                    err = rel_diff(fn(*args), want)
-                    emit(dict(op="moe_gemm", fmt=fmt, tokens=n, impl="pallas", options=opts, us=time_us(fn, *args),
-                              bytes=nbytes, rel_diff_vs_xla=err, xla_us=t_xla))
-                except Exception as e:  # noqa: BLE001
-                    emit(dict(op="moe_gemm", fmt=fmt, tokens=n, impl="pallas", options=opts, error=repr(e)[:500]))
+            side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n), nbytes,
+                         configs if n <= 8 and fmt == "fp4" else [{}])
         del lins
 
 
@@ -235,9 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    head = {"benchmark": "kernels", "machine": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-            "command": "python -m dsjax.bench.kernels " + " ".join(argv)}
+    head = run_info("kernels", argv)
     roof = torch_roofline() if jax.default_backend() == "gpu" else {"copy_GBps": None, "matmul_TFLOPs": None}
     head.update(roof)
     out = open(args.out, "a") if args.out else None
