@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from dsjax.config import ModelConfig
 from dsjax.model import forward_chunk
 from dsjax.sharding import gather_vocab
-from dsjax.sampling import SamplingParams, sample, token_logprobs
+from dsjax.sampling import Penalties, SamplingParams, counted, penalised, sample, token_logprobs
 from dsjax.state import DecodeState
 from dsjax.weights import pytree
 
@@ -32,6 +32,7 @@ class LoopCarry:
     count: jax.Array      # int32 [B]: tokens generated so far
     done: jax.Array       # bool [B]
     steps: jax.Array      # int32 []: model steps run so far (all dispatches)
+    penalties: Penalties | None = None  # presence/frequency/logit_bias with output counts (serving); None: off
 
 
 def is_stop(tokens, stop_ids):
@@ -44,13 +45,13 @@ def record(carry: LoopCarry, tok, logits, K: int, active) -> LoopCarry:
     lp, ids, tlp = token_logprobs(logits, tok, K)
     rows = jnp.arange(B)
     at = jnp.where(active, carry.count, N)  # out of range -> dropped
-    return LoopCarry(
-        state=carry.state, last=jnp.where(active, tok, carry.last),
+    return dataclasses.replace(
+        carry, last=jnp.where(active, tok, carry.last),
         tokens=carry.tokens.at[rows, at].set(tok, mode="drop"),
         logprob=carry.logprob.at[rows, at].set(lp, mode="drop"),
         top_ids=carry.top_ids.at[rows, at].set(ids, mode="drop"),
         top_lp=carry.top_lp.at[rows, at].set(tlp, mode="drop"),
-        count=carry.count + active.astype(jnp.int32), done=carry.done, steps=carry.steps)
+        count=carry.count + active.astype(jnp.int32), penalties=counted(carry.penalties, tok, active))
 
 
 def finish_flags(carry: LoopCarry, tok, active, stop_ids, max_new, max_seq: int):
@@ -69,7 +70,7 @@ def decode_steps(params, carry: LoopCarry, sp: SamplingParams, stop_ids, max_new
         active = ~carry.done
         logits, state = forward_chunk(params, cfg, carry.last[:, None], carry.state, active.astype(jnp.int32))
         logits = gather_vocab(logits[:, 0], cfg.sharding)
-        tok = sample(logits, sp, carry.state.lengths + 1)
+        tok = sample(penalised(logits, carry.penalties), sp, carry.state.lengths + 1)
         carry = record(dataclasses.replace(carry, state=state, steps=carry.steps + 1), tok, logits, K, active)
         return dataclasses.replace(carry, done=finish_flags(carry, tok, active, stop_ids, max_new, max_seq))
 

@@ -8,6 +8,8 @@ folded with the row's step, so a row's tokens do not depend on what else is in t
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,35 @@ def make_sampling(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
         raise InputError(f"seed: expected an int or {batch} ints, got shape {seeds.shape}")
     keys = jnp.stack([jax.random.key_data(jax.random.PRNGKey(int(s) % 2**32)) for s in seeds])
     return SamplingParams(jnp.asarray(t), jnp.asarray(k.astype(np.int32)), jnp.asarray(p), jnp.asarray(m), keys)
+
+
+@pytree
+class Penalties:
+    """OpenAI's presence / frequency penalties and logit_bias, per row, with the row's output-token counts:
+    logits[j] + bias[j] - frequency * c[j] - presence * (c[j] > 0), where c[j] counts token j among the tokens
+    the row generated so far (prompt tokens do not count). Applied before temperature and filters; the logprobs
+    a request sees stay those of the raw model distribution (as vLLM's default)."""
+    presence: jax.Array   # f32 [B]
+    frequency: jax.Array  # f32 [B]
+    bias: jax.Array       # f32 [B, V]
+    counts: jax.Array     # int32 [B, V]
+
+
+def penalised(logits, pen: Penalties | None):
+    """logits [B,V] with the penalties and bias applied (unchanged when `pen` is None)."""
+    if pen is None:
+        return logits
+    c = pen.counts.astype(jnp.float32)
+    return (logits.astype(jnp.float32) + pen.bias - pen.frequency[:, None] * c
+            - pen.presence[:, None] * (c > 0).astype(jnp.float32))
+
+
+def counted(pen: Penalties | None, tokens, active):
+    """`pen` with tokens [B] added to the counts of the `active` rows."""
+    if pen is None:
+        return None
+    rows = jnp.arange(tokens.shape[0])
+    return dataclasses.replace(pen, counts=pen.counts.at[rows, tokens].add(active.astype(jnp.int32)))
 
 
 def filtered_logprobs(logits, sp: SamplingParams):

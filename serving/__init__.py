@@ -3,6 +3,7 @@ continuous-batching scheduler (installed as dsjax.serving; see docs/serving.md).
 
     config.py          ServeConfig and the `serve` flags
     engine.py          SlotEngine: fixed batch slots over one decode state; rows join and leave between dispatches
+    engine_steps.py    its compiled programs besides the decode loops: rows joining, one prefill chunk
     scheduler.py       the engine thread: bounded queue, admission, chunked prefill, aborts, drain
     service.py         what both front ends share: model info, chat encoding, prompt limits, submit/abort
     openai_protocol.py OpenAI request validation (every field supported or refused by name)

@@ -55,15 +55,34 @@ class ServeConfig:
         if self.max_num_seqs % self.data_parallel_size:
             raise ConfigError(f"--max-num-seqs {self.max_num_seqs} must be a multiple of --data-parallel-size "
                               f"{self.data_parallel_size}")
-        if self.speculative_config:
-            raise ConfigError("--speculative-config: the server does not run speculative decoding yet (the on-device "
-                              "MTP loop, dsjax.speculative, is not wired into the slot scheduler); omit the flag")
+        self.num_speculative_tokens  # validates the JSON's contents
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
         for path in (self.ssl_certfile, self.ssl_keyfile):
             if path and not os.path.isfile(path):
                 raise ConfigError(f"TLS file {path} does not exist")
         return self
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per step from --speculative-config (vLLM's JSON: method mtp, num_speculative_tokens k);
+        0 without it."""
+        spec = self.speculative_config
+        if not spec:
+            return 0
+        if not isinstance(spec, dict):
+            raise ConfigError(f"--speculative-config must be a JSON object, got {spec!r}")
+        unknown = set(spec) - {"method", "num_speculative_tokens"}
+        if unknown:
+            raise ConfigError(f"--speculative-config: unsupported key(s) {sorted(unknown)}; supported: method, "
+                              "num_speculative_tokens")
+        method = spec.get("method", "mtp")
+        if method not in ("mtp", "deepseek_mtp"):
+            raise ConfigError(f"--speculative-config: method {method!r} is not served; use \"mtp\" (V4's MTP head)")
+        k = spec.get("num_speculative_tokens", 2)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 8:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 8], got {k!r}")
+        return k
 
     @property
     def model_id(self) -> str:
@@ -82,7 +101,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="batch slots decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence, prompt + output "
                    "(default: min(model max, 4096))")
-    g.add_argument("--speculative-config", default=None, help="JSON, as vLLM's; not supported by the server yet")
+    g.add_argument("--speculative-config", default=None, help='JSON, as vLLM\'s: \'{"method": "mtp", "num_speculative_tokens": 2}\' '
+                   "(MTP drafts verified on the device; greedy output unchanged)")
     g.add_argument("--weights-seed", type=int, default=d.weights_seed, help="seed of a preset's random weights")
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d.host, help="address of both servers (default 127.0.0.1)")

@@ -3,9 +3,12 @@ dispatches, and no shape ever changes, so the compiles made at warm-up serve eve
 
 A slot's life: `reset` (its state row back to empty) -> prefill chunks (only rows with prompt left advance;
 the rest have `n_valid = 0` and keep their caches bit for bit) -> the first token, sampled from the last
-prompt position -> decode dispatches (`dsjax.decode.decode_steps`, the same loop `Model.generate` runs) until
-done. The host sees tokens once per dispatch. Sampling keys are per row and folded with the position, so a
-request's tokens do not depend on which slot it got or what else is running.
+prompt position -> decode dispatches (`dsjax.decode.decode_steps`, the same loop `Model.generate` runs; or
+`dsjax.speculative.spec_steps` with MTP drafts) until done. The host sees tokens once per dispatch. Sampling keys
+are per row and folded with the position, so a request's tokens do not depend on which slot it got or what else
+is running. Presence/frequency penalties and logit_bias run in a second compiled variant of the prefill and
+decode programs (`dsjax.sampling.Penalties`: per-row values, a [slots, vocab] bias and output-token counts on
+the device), used only for dispatches where some row asks for them; both variants compile at warm-up.
 
 This class is single-threaded: the scheduler thread owns it.
 """
@@ -13,45 +16,17 @@ This class is single-threaded: the scheduler thread owns it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsjax.config import ModelConfig
 from dsjax.decode import LoopCarry, decode_steps
-from dsjax.model import forward_hidden_chunk, head_logits
-from dsjax.sampling import SamplingParams, sample, token_logprobs
-from dsjax.sharding import gather_vocab
+from dsjax.sampling import Penalties, SamplingParams
+from dsjax.serving.engine_steps import join_rows, prefill
 from dsjax.serving.prefix_cache import PrefixCache, put_row, take_row
+from dsjax.speculative import SpecCarry, spec_steps
 from dsjax.state import init_state
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_seq"), donate_argnames=("state",))
-def _reset_rows(state, mask, *, cfg: ModelConfig, max_seq: int):
-    """The rows of `state` where `mask` is set, back to an empty cache (lengths 0); the others untouched."""
-    fresh = init_state(cfg, mask.shape[0], max_seq)
-
-    def pick(old, new):
-        return jnp.where(mask.reshape(mask.shape + (1,) * (old.ndim - 1)), new, old)
-
-    return jax.tree.map(pick, state, fresh)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "K"), donate_argnames=("state",))
-def _prefill(params, tokens, state, n_valid, sp: SamplingParams, *, cfg: ModelConfig, K: int):
-    """One prompt chunk tokens [B, C] for the rows with n_valid > 0, and a first token sampled at each row's last
-    valid position (what `generate` samples after the prompt: same position, same key). Only the last position's
-    logits are computed — a whole chunk's [B, C, vocab] would dwarf everything else."""
-    B, C = tokens.shape
-    h, state = forward_hidden_chunk(params, cfg, tokens, state, n_valid)
-    last = jnp.clip(n_valid - 1, 0, C - 1)
-    logits = head_logits(h[jnp.arange(B), last][:, None], params, cfg, params.hc_head, params.norm)[:, 0]
-    logits = gather_vocab(logits, cfg.sharding)
-    tok = sample(logits, sp, state.lengths)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, K)
-    return state, tok, lp, top_ids, top_lp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +38,14 @@ class RowSampling:
     top_k: int = 0
     min_p: float = 0.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the row needs the penalty program (counts of its output tokens, bias added to the logits)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclasses.dataclass
@@ -74,40 +57,58 @@ class StepOutput:
     logprobs: list[float]
     top: list[list[tuple[int, float]]]  # per token, (id, logprob) alternatives; empty lists when K = 0
     finished: str | None
+    row_steps: int = 0  # speculative: draft-verify steps this row took in the dispatch
+    drafted: int = 0
+    accepted: int = 0
 
 
 class SlotEngine:
     """`slots` rows of up to `max_seq` tokens; `prefill_chunk` prompt tokens per row per prefill step;
     `steps_per_dispatch` decode steps per dispatch. Every step also returns the `max_top_logprobs` most likely
-    alternatives (one compiled program for every request; a row keeps the first `top_logprobs` of them)."""
+    alternatives (one compiled program for every request; a row keeps the first `top_logprobs` of them).
+    `num_speculative_tokens` > 0 decodes with the MTP draft-verify loop (`dsjax.speculative.spec_steps`): each
+    row carries its pending target streams across dispatches; only the chosen token's logprob is reported."""
 
     def __init__(self, model, *, slots: int, prefill_chunk: int = 64, steps_per_dispatch: int = 8,
                  max_top_logprobs: int = 20, stop_token_ids: tuple[int, ...] | None = None,
-                 prefix_cache_entries: int = 0):
+                 prefix_cache_entries: int = 0, num_speculative_tokens: int = 0):
         self.model, self.cfg, self.params = model, model.cfg, model.params
         self.slots, self.max_seq = slots, model.max_seq_len
-        self.chunk, self.steps, self.max_top = prefill_chunk, steps_per_dispatch, max_top_logprobs
+        self.chunk, self.steps, self.k = prefill_chunk, steps_per_dispatch, num_speculative_tokens
+        self.max_top = 0 if self.k else max_top_logprobs
         stops = (self.cfg.eos_token_id,) if stop_token_ids is None else stop_token_ids
         self.stop_ids = jnp.asarray(sorted(set(stops)), jnp.int32)
         self.stop_set = frozenset(int(t) for t in stops)
-        with model._on_mesh():
-            self.state = init_state(self.cfg, slots, self.max_seq)
-            self.last = jnp.zeros((slots,), jnp.int32)
+        self._fresh_device_state()
         # host mirrors of per-row settings; device copies are rebuilt when a row joins
         self._temperature = np.zeros(slots, np.float32)
         self._top_p = np.ones(slots, np.float32)
         self._top_k = np.zeros(slots, np.int32)
         self._min_p = np.zeros(slots, np.float32)
         self._keys = np.zeros((slots, 2), np.uint32)
+        self._presence = np.zeros(slots, np.float32)
+        self._frequency = np.zeros(slots, np.float32)
+        self._bias = np.zeros((slots, self.cfg.vocab_size), np.float32)
+        self.penalised = np.zeros(slots, bool)
         self._sp: SamplingParams | None = None
+        self._pen: tuple | None = None
         self.prompt: list[np.ndarray | None] = [None] * slots  # prompt tokens still to prefill
         self.decoding = np.zeros(slots, bool)
         self.remaining = np.zeros(slots, np.int32)                # tokens the row may still generate
         self.wants_top = np.zeros(slots, np.int32)                # top-logprob alternatives per row
         self._pending_reset = np.zeros(slots, bool)
+        self._pending_clear = np.zeros(slots, bool)
         self._pending_insert: dict[int, object] = {}                # slot -> cached row state to start from
         self._full_prompt: list[np.ndarray | None] = [None] * slots
         self.cache = PrefixCache(prefix_cache_entries)
+
+    def _fresh_device_state(self) -> None:
+        B = self.slots
+        with self.model._on_mesh():
+            self.state = init_state(self.cfg, B, self.max_seq, with_mtp=self.k > 0)
+            self.last = jnp.zeros((B,), jnp.int32)
+            self.counts = jnp.zeros((B, self.cfg.vocab_size), jnp.int32)
+        self.pend_h = self.pend_tok = self.pend_n = None  # speculative: set by the first prefill
 
     # ---- rows joining and leaving ----
 
@@ -128,7 +129,13 @@ class SlotEngine:
         self._temperature[slot], self._top_p[slot] = sampling.temperature, sampling.top_p
         self._top_k[slot], self._min_p[slot] = sampling.top_k, sampling.min_p
         self._keys[slot] = np.asarray(jax.random.key_data(jax.random.PRNGKey(sampling.seed % 2**32)))
-        self._sp = None
+        self._presence[slot], self._frequency[slot] = sampling.presence_penalty, sampling.frequency_penalty
+        self._bias[slot] = 0.0
+        for t, v in sampling.logit_bias:
+            self._bias[slot, t] = v
+        self.penalised[slot] = sampling.penalised
+        self._pending_clear[slot] = True
+        self._sp = self._pen = None
         if row is None:
             self._pending_reset[slot] = True
             self._pending_insert.pop(slot, None)
@@ -144,12 +151,11 @@ class SlotEngine:
 
     def reset_all(self) -> None:
         """Forget every row and start from empty caches (after a failed step, whose donated state is gone)."""
-        with self.model._on_mesh():
-            self.state = init_state(self.cfg, self.slots, self.max_seq)
-            self.last = jnp.zeros((self.slots,), jnp.int32)
+        self._fresh_device_state()
         self.prompt = [None] * self.slots
         self.decoding[:] = False
         self._pending_reset[:] = False
+        self._pending_clear[:] = False
         self._pending_insert.clear()
         self.cache.clear()
 
@@ -162,31 +168,50 @@ class SlotEngine:
                                       jnp.asarray(self._top_p), jnp.asarray(self._min_p), jnp.asarray(self._keys))
         return self._sp
 
+    def _penalties(self, rows, always: bool = False) -> Penalties | None:
+        """The penalty program's inputs when one of `rows` needs them (or `always`: the prefill, one program
+        either way), else None (the plain program, shared with `Model.generate`)."""
+        if not (always or self.penalised[rows].any()):
+            return None
+        if self._pen is None:
+            self._pen = (jnp.asarray(self._presence), jnp.asarray(self._frequency), jnp.asarray(self._bias))
+        return Penalties(*self._pen, counts=self.counts)
+
     # ---- device steps ----
+
+    def _apply_joins(self) -> None:
+        if self._pending_clear.any():
+            self.state, self.counts = join_rows(self.state, self.counts, jnp.asarray(self._pending_reset),
+                                                jnp.asarray(self._pending_clear), cfg=self.cfg, max_seq=self.max_seq,
+                                                with_mtp=self.k > 0)
+            self._pending_reset[:] = self._pending_clear[:] = False
+        for b, row in self._pending_insert.items():
+            self.state = put_row(self.state, row, jnp.int32(b))
+        self._pending_insert.clear()
 
     def prefill_step(self) -> list[StepOutput]:
         """One chunk of every row with prompt left; rows whose prompt ends here get their first token."""
         rows = [b for b in range(self.slots) if self.prompt[b] is not None]
         if not rows:
             return []
+        C, K = self.chunk, self.max_top
+        tokens, nxt = np.zeros((self.slots, C), np.int32), np.zeros((self.slots, C), np.int32)
+        n_valid, n_mtp = np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32)
+        for b in rows:
+            part, after = self.prompt[b][:C], self.prompt[b][1:C + 1]
+            tokens[b, :len(part)], n_valid[b] = part, len(part)
+            nxt[b, :len(after)], n_mtp[b] = after, len(after)  # the MTP consumes positions whose next token is known
+        ended = [b for b in rows if len(self.prompt[b]) <= C]
+        ends = np.zeros(self.slots, bool)
+        ends[ended] = True
         with self.model._on_mesh():
-            if self._pending_reset.any():
-                self.state = _reset_rows(self.state, jnp.asarray(self._pending_reset), cfg=self.cfg,
-                                         max_seq=self.max_seq)
-                self._pending_reset[:] = False
-            for b, row in self._pending_insert.items():
-                self.state = put_row(self.state, row, jnp.int32(b))
-            self._pending_insert.clear()
-            C = self.chunk
-            tokens = np.zeros((self.slots, C), np.int32)
-            n_valid = np.zeros(self.slots, np.int32)
-            for b in rows:
-                part = self.prompt[b][:C]
-                tokens[b, :len(part)], n_valid[b] = part, len(part)
-            K = self.max_top
-            self.state, tok, lp, top_ids, top_lp = _prefill(self.params, jnp.asarray(tokens), self.state,
-                                                             jnp.asarray(n_valid), self._sampling(), cfg=self.cfg, K=K)
-            ended = [b for b in rows if len(self.prompt[b]) <= C]
+            self._apply_joins()
+            self.state, tok, lp, top_ids, top_lp, last_h, pen = prefill(
+                self.params, jnp.asarray(tokens), jnp.asarray(nxt), self.state, jnp.asarray(n_valid),
+                jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(ended, always=not self.k),
+                cfg=self.cfg, K=K, mtp=self.k > 0)
+            if pen is not None:
+                self.counts = pen.counts
             for b in rows:
                 self.prompt[b] = self.prompt[b][C:] if b not in ended else None
             if not ended:
@@ -194,9 +219,10 @@ class SlotEngine:
             if self.cache.capacity:
                 for b in ended:
                     self.cache.store(self._full_prompt[b], take_row(self.state, jnp.int32(b)))
-            mask = np.zeros(self.slots, bool)
-            mask[ended] = True
-            self.last = jnp.where(jnp.asarray(mask), tok, self.last)
+            mask = jnp.asarray(ends)
+            self.last = jnp.where(mask, tok, self.last)
+            if self.k:
+                self._start_pending(mask, last_h, tok)
             tok, lp, top_ids, top_lp, lengths = jax.device_get((tok, lp, top_ids, top_lp, self.state.lengths))
         out = []
         for b in ended:
@@ -209,24 +235,28 @@ class SlotEngine:
             out.append(StepOutput(b, [t], [float(lp[b])], top, finished))
         return out
 
+    def _start_pending(self, mask, last_h, tok) -> None:
+        """Speculative rows start with one pending position: the prompt's last (its streams, the first token)."""
+        K1 = self.k + 1
+        if self.pend_h is None:
+            self.pend_h = jnp.zeros((self.slots, K1) + last_h.shape[1:], last_h.dtype)
+            self.pend_tok = jnp.zeros((self.slots, K1), jnp.int32)
+            self.pend_n = jnp.ones((self.slots,), jnp.int32)
+        self.pend_h = jnp.where(mask[:, None, None, None], self.pend_h.at[:, 0].set(last_h), self.pend_h)
+        self.pend_tok = jnp.where(mask[:, None], self.pend_tok.at[:, 0].set(tok), self.pend_tok)
+        self.pend_n = jnp.where(mask, 1, self.pend_n)
+
     def decode_step(self) -> list[StepOutput]:
-        """One dispatch of up to `steps_per_dispatch` decode steps for every decoding row."""
+        """One dispatch of up to `steps_per_dispatch` decode (or draft-verify) steps for every decoding row."""
         rows = np.flatnonzero(self.decoding)
         if not rows.size:
             return []
-        B, N, K = self.slots, self.steps, self.max_top
         with self.model._on_mesh():
-            carry = LoopCarry(
-                state=self.state, last=self.last, tokens=jnp.zeros((B, N), jnp.int32),
-                logprob=jnp.zeros((B, N), jnp.float32), top_ids=jnp.zeros((B, N, K), jnp.int32),
-                top_lp=jnp.zeros((B, N, K), jnp.float32), count=jnp.zeros((B,), jnp.int32),
-                done=jnp.asarray(~self.decoding), steps=jnp.int32(0))
-            max_new = jnp.asarray(np.maximum(self.remaining, 1))
-            carry = decode_steps(self.params, carry, self._sampling(), self.stop_ids, max_new, cfg=self.cfg,
-                                 max_steps=N, K=K, max_seq=self.max_seq)
-            self.state, self.last = carry.state, carry.last
-            count, done, toks, lp, top_ids, top_lp = jax.device_get(
-                (carry.count, carry.done, carry.tokens, carry.logprob, carry.top_ids, carry.top_lp))
+            if self.k:
+                got = self._spec_dispatch()
+            else:
+                got = self._plain_dispatch(rows)
+        count, done, toks, lp, top_ids, top_lp, drafted, accepted = got
         out = []
         for b in rows:
             n = int(count[b])
@@ -237,17 +267,59 @@ class SlotEngine:
                 finished = "stop" if new and new[-1] in self.stop_set else "length"
                 self.decoding[b] = False
             top = ([list(zip(top_ids[b, i].tolist(), top_lp[b, i].tolist()))[:self.wants_top[b]] for i in range(n)]
-                   if K else [[] for _ in range(n)])
-            out.append(StepOutput(int(b), new, lp[b, :n].tolist(), top, finished))
+                   if self.max_top else [[] for _ in range(n)])
+            d, a = int(drafted[b]), int(accepted[b])
+            out.append(StepOutput(int(b), new, lp[b, :n].tolist(), top, finished,
+                                  row_steps=d // self.k if self.k else 0, drafted=d, accepted=a))
         return out
 
+    def _plain_dispatch(self, rows):
+        B, N, K = self.slots, self.steps, self.max_top
+        carry = LoopCarry(
+            state=self.state, last=self.last, tokens=jnp.zeros((B, N), jnp.int32),
+            logprob=jnp.zeros((B, N), jnp.float32), top_ids=jnp.zeros((B, N, K), jnp.int32),
+            top_lp=jnp.zeros((B, N, K), jnp.float32), count=jnp.zeros((B,), jnp.int32),
+            done=jnp.asarray(~self.decoding), steps=jnp.int32(0), penalties=self._penalties(rows))
+        carry = decode_steps(self.params, carry, self._sampling(), self.stop_ids, jnp.asarray(self._max_new()),
+                             cfg=self.cfg, max_steps=N, K=K, max_seq=self.max_seq)
+        self.state, self.last = carry.state, carry.last
+        if carry.penalties is not None:
+            self.counts = carry.penalties.counts
+        zeros = np.zeros(B, np.int32)
+        return (*jax.device_get((carry.count, carry.done, carry.tokens, carry.logprob, carry.top_ids, carry.top_lp)),
+                zeros, zeros)
+
+    def _spec_dispatch(self):
+        B, k = self.slots, self.k
+        N = self.steps * (k + 1)  # a step commits up to k+1 tokens
+        done = jnp.asarray(~self.decoding) | (self.state.lengths + k + 1 > self.max_seq)
+        carry = SpecCarry(
+            state=self.state, last=self.last, pend_h=self.pend_h, pend_tok=self.pend_tok, pend_n=self.pend_n,
+            tokens=jnp.zeros((B, N), jnp.int32), logprob=jnp.zeros((B, N), jnp.float32),
+            count=jnp.zeros((B,), jnp.int32), done=done, steps=jnp.int32(0), drafted=jnp.zeros((B,), jnp.int32),
+            accepted=jnp.zeros((B,), jnp.int32), accepted_at=jnp.zeros((B, k), jnp.int32))
+        carry = spec_steps(self.params, carry, self._sampling(), self.stop_ids, jnp.asarray(self._max_new()), None,
+                           cfg=self.cfg, k=k, max_steps=self.steps, max_seq=self.max_seq)
+        self.state, self.last = carry.state, carry.last
+        self.pend_h, self.pend_tok, self.pend_n = carry.pend_h, carry.pend_tok, carry.pend_n
+        count, done, toks, lp, drafted, accepted = jax.device_get(
+            (carry.count, carry.done, carry.tokens, carry.logprob, carry.drafted, carry.accepted))
+        return count, done, toks, lp, None, None, drafted, accepted
+
+    def _max_new(self) -> np.ndarray:
+        return np.maximum(self.remaining, 1)
+
     def warm_up(self) -> None:
-        """Compile every program serving runs (row reset, prefill chunk, decode dispatch) before reporting ready."""
+        """Compile every program serving runs (row joins, prefill chunk, decode dispatch — with and without the
+        penalty program, and a prefix-cache hit) before reporting ready."""
         bos = self.cfg.bos_token_id
-        for prompt in ([bos], [bos, bos]) if self.cache.capacity else ([bos],):  # the second one hits the cache
-            self.join(0, prompt, 2, RowSampling())
-            self.prefill_step()
-            self.decoding[0], self.remaining[0] = True, 1  # even if the first token was a stop id
-            self.decode_step()
-            self.leave(0)
-        self.cache.clear()
+        kinds = [RowSampling()] + ([] if self.k else [RowSampling(frequency_penalty=1.0)])
+        prompts = ([bos], [bos, bos]) if self.cache.capacity else ([bos],)  # the second one hits the cache
+        for sampling in kinds:
+            for prompt in prompts:
+                self.join(0, prompt, 2, sampling)
+                self.prefill_step()
+                self.decoding[0], self.remaining[0] = True, 1  # even if the first token was a stop id
+                self.decode_step()
+                self.leave(0)
+            self.cache.clear()

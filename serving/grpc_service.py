@@ -43,8 +43,17 @@ def _sampling(s: pb.SamplingParams, has: bool) -> RowSampling:
         raise ApiError(400, f"sampling.top_p must lie in [0, 1], got {s.top_p}", "sampling.top_p")
     if not 0 <= s.min_p <= 1:
         raise ApiError(400, f"sampling.min_p must lie in [0, 1], got {s.min_p}", "sampling.min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(s, name)
+        if not (math.isfinite(v) and -2 <= v <= 2):
+            raise ApiError(400, f"sampling.{name} must lie in [-2, 2], got {v}", f"sampling.{name}")
+    for t, v in s.logit_bias.items():
+        if not (math.isfinite(v) and -100 <= v <= 100):
+            raise ApiError(400, f"sampling.logit_bias[{t}] must lie in [-100, 100], got {v}", "sampling.logit_bias")
     seed = s.seed if s.HasField("seed") else secrets.randbelow(2**31)
-    return RowSampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p, seed=seed)
+    return RowSampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p, seed=seed,
+                       presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                       logit_bias=tuple(sorted(s.logit_bias.items())))
 
 
 class EngineServicer(pb_grpc.EngineServicer):

@@ -42,6 +42,10 @@ class Metrics:
         self.acceptance = Gauge("dsjax_acceptance_length", "Tokens per decode step per row (bonus token counted; "
                                 "1 without speculative decoding)", registry=r)
         self.acceptance.set(1.0)
+        self.spec_steps = Counter("dsjax_spec_decode_steps", "Draft-verify steps, summed over rows", registry=r)
+        self.spec_drafted = Counter("dsjax_spec_decode_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("dsjax_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
+        self._spec_tokens = self._spec_row_steps = 0
         self.info = Gauge("dsjax_model_info", "The served model", ["model"], registry=r)
         self.info.labels(model=model_name).set(1)
         self.started = time.time()
@@ -52,6 +56,15 @@ class Metrics:
         self.e2e.observe(now - req.arrival)
         if req.first_token_at is not None and req.generated > 1:
             self.tpot.observe((now - req.first_token_at) / (req.generated - 1))
+
+    def speculative(self, row_steps: int, drafted: int, accepted: int, tokens: int) -> None:
+        """One row's share of a speculative dispatch; the acceptance length is tokens per row step overall."""
+        self.spec_steps.inc(row_steps)
+        self.spec_drafted.inc(drafted)
+        self.spec_accepted.inc(accepted)
+        self._spec_tokens += tokens
+        self._spec_row_steps += row_steps
+        self.acceptance.set(self._spec_tokens / self._spec_row_steps)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,8 @@ class Limits:
     max_stop_len: int = 256
     max_messages: int = 1024
     max_n: int = 16
+    max_logit_bias: int = 300     # entries, as OpenAI
+    speculative: bool = False     # the server decodes with MTP drafts: penalties and top_logprobs are refused
 
 
 @dataclasses.dataclass
@@ -100,12 +102,14 @@ def _common(body: dict, allowed: set[str], limits: Limits) -> GenParams:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required: a model id from /v1/models")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(name, f"{name} is not supported yet (only 0)")
+    penalties = {name: _number(body, name, 0.0, -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty")}
+    logit_bias = _logit_bias(body.get("logit_bias"), limits)
+    if limits.speculative:
+        for name, v in (*penalties.items(), ("logit_bias", logit_bias)):
+            if v:
+                raise bad(name, f"{name} is not supported with speculative decoding on this server (only "
+                                "plain decoding applies it)")
     n = _number(body, "n", 1, 1, limits.max_n, integer=True)
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "logit_bias is not supported")
     stream = _flag(body, "stream")
     opts = body.get("stream_options")
     include_usage = False
@@ -123,7 +127,8 @@ def _common(body: dict, allowed: set[str], limits: Limits) -> GenParams:
     sampling = RowSampling(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                            top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
                            top_k=_number(body, "top_k", 0, -1, 1 << 20, integer=True),
-                           min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=int(seed))
+                           min_p=_number(body, "min_p", 0.0, 0.0, 1.0), seed=int(seed), logit_bias=logit_bias,
+                           **penalties)
     if sampling.top_p == 0.0:  # OpenAI allows 0; the sampler needs a non-empty nucleus: 0 means greedy
         sampling = dataclasses.replace(sampling, temperature=0.0, top_p=1.0)
     if sampling.top_k < 0:     # vLLM's "-1 = off"
@@ -141,6 +146,25 @@ def _common(body: dict, allowed: set[str], limits: Limits) -> GenParams:
         raise bad("stop_token_ids", f"at most {limits.max_stop} stop token ids")
     return GenParams(model=model, stream=stream, n=n, include_usage=include_usage, sampling=sampling,
                      stop=tuple(stop), stop_token_ids=tuple(stop_ids))
+
+
+def _logit_bias(value, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} -> sorted (id, bias) pairs (ids checked against the vocabulary
+    by the service)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to biases in [-100, 100]")
+    if len(value) > limits.max_logit_bias:
+        raise bad("logit_bias", f"at most {limits.max_logit_bias} logit_bias entries")
+    out = {}
+    for key, v in value.items():
+        if not (isinstance(key, str) and key.isdigit()) and not (isinstance(key, int) and key >= 0):
+            raise bad("logit_bias", f"logit_bias key {key!r} is not a token id")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise bad("logit_bias", f"logit_bias[{key}] must be a number in [-100, 100], got {v!r}")
+        out[int(key)] = float(v)
+    return tuple(sorted(out.items()))
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], limits: Limits) -> int | None:
@@ -181,7 +205,8 @@ def parse_chat(body: dict, limits: Limits) -> GenParams:
     if p.top_logprobs and not p.logprobs:
         raise bad("top_logprobs", "top_logprobs needs logprobs=true")
     if p.top_logprobs > limits.max_logprobs:
-        raise bad("top_logprobs", f"top_logprobs must be at most {limits.max_logprobs} on this server")
+        raise bad("top_logprobs", f"top_logprobs must be at most {limits.max_logprobs} on this server"
+                  + (" (speculative decoding reports the chosen token's logprob only)" if limits.speculative else ""))
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"

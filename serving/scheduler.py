@@ -229,6 +229,8 @@ class Scheduler:
             req.generated += n
             if self.metrics:
                 self.metrics.generation_tokens.inc(n)
+                if o.row_steps:
+                    self.metrics.speculative(o.row_steps, o.drafted, o.accepted, len(o.tokens))
             if finished is None:
                 req.emit(out)
             else:

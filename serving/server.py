@@ -108,14 +108,19 @@ def build(cfg: ServeConfig, model=None):
     tokenizer = load_tokenizer(family)
     metrics = Metrics(cfg.model_id)
     metrics.slots.set(cfg.max_num_seqs)
+    k = cfg.num_speculative_tokens
+    if k and (family != "v4" or not model.cfg.n_mtp_layers):
+        from dsjax.errors import ConfigError
+        raise ConfigError(f"--speculative-config: {model.cfg.name} has no MTP head the server can draft with "
+                          "(V4 family with n_mtp_layers > 0)")
     engine = SlotEngine(model, slots=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
                         steps_per_dispatch=cfg.steps_per_dispatch, max_top_logprobs=cfg.max_logprobs,
-                        prefix_cache_entries=cfg.prefix_cache_entries)
+                        prefix_cache_entries=cfg.prefix_cache_entries, num_speculative_tokens=k)
     scheduler = Scheduler(engine, max_queue=cfg.max_queue, metrics=metrics)
     info = ModelInfo(id=cfg.model_id, source=model.source, family=family, max_model_len=model.max_seq_len,
                      max_num_seqs=cfg.max_num_seqs, vocab_size=model.cfg.vocab_size,
                      eos_token_id=model.cfg.eos_token_id)
-    limits = Limits(max_model_len=model.max_seq_len, max_logprobs=cfg.max_logprobs)
+    limits = Limits(max_model_len=model.max_seq_len, max_logprobs=0 if k else cfg.max_logprobs, speculative=k > 0)
     return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics)
 
 

@@ -84,6 +84,12 @@ class Service:
                 raise bad("stop_token_ids", f"stop token id {t} is out of range [0, {self.info.vocab_size})")
         if top_logprobs > self.limits.max_logprobs:
             raise bad("top_logprobs", f"at most {self.limits.max_logprobs} top logprobs on this server")
+        for t, _ in sampling.logit_bias:
+            if t >= self.info.vocab_size:
+                raise bad("logit_bias", f"logit_bias token id {t} is out of range [0, {self.info.vocab_size})")
+        if self.limits.speculative and sampling.penalised:
+            name = next(n for n in ("presence_penalty", "frequency_penalty", "logit_bias") if getattr(sampling, n))
+            raise bad(name, f"{name} is not supported with speculative decoding on this server")
         rid = request_id or uuid.uuid4().hex
         stream = OutputStream()
         req = Request(id=rid, prompt=list(ids), max_tokens=max_tokens, sampling=sampling, top_logprobs=top_logprobs,

@@ -247,7 +247,8 @@ BAD = [  # (headers, body bytes or JSON, status, text the message must contain)
     (None, {"model": "tiny-v4", "prompt": [0] * MAX_LEN}, 400, "context length"),
     (None, {"model": "tiny-v4", "prompt": "x", "best_of": 1, "frobnicate": True}, 400, "frobnicate"),
     (None, {"model": "tiny-v4", "prompt": "x", "n": 99}, 400, "n must lie in"),
-    (None, {"model": "tiny-v4", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    (None, {"model": "tiny-v4", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must lie in"),
+    (None, {"model": "tiny-v4", "prompt": "x", "logit_bias": {"999999": 1}}, 400, "out of range"),
     (None, {"model": "tiny-v4", "prompt": "x", "temperature": -1}, 400, "temperature"),
     (None, {"model": "tiny-v4", "prompt": "x" * (70 << 10)}, 413, "limit"),
 ]
@@ -290,7 +291,7 @@ def test_prefix_cache_continues_a_conversation(served, client):
 
 def test_requests_join_and_leave_without_recompiling(served, client):
     """After warm-up, nothing compiles again: prompts of 1 to 70 tokens (multi-chunk prefill), greedy and sampled
-    rows, logprobs or not, stop strings, a prefix-cache continuation, cancellations — all in one batch."""
+    rows, logprobs or not, stop strings, penalties, a prefix-cache continuation, cancellations — all in one batch."""
     from jax import monitoring
 
     compiled = []
@@ -303,7 +304,7 @@ def test_requests_join_and_leave_without_recompiling(served, client):
     prompts = [[0] + rng.integers(3, 120_000, size=n - 1).tolist() for n in (1, 5, 33, 70, 12, 40)]
     kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0, logprobs=3),
              dict(temperature=1.0, seed=2, stop=["e"], extra_body={"top_k": 5}), dict(temperature=0),
-             dict(temperature=0)]
+             dict(temperature=0, frequency_penalty=1.0, logit_bias={"5": 2})]
     monitoring.register_event_duration_secs_listener(listen)
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -316,3 +317,83 @@ def test_requests_join_and_leave_without_recompiling(served, client):
     finally:
         monitoring.unregister_event_duration_listener(listen)
     assert compiled == [], f"compiled after warm-up: {compiled}"
+
+
+def test_penalties_and_logit_bias_follow_the_openai_definition(served, client, offline):
+    """Served greedy tokens with presence/frequency penalties and logit_bias (gRPC and HTTP) == argmax of the
+    penalised logits computed in numpy from the model's raw logits: mu[j] + bias[j] - c[j]·frequency -
+    [c[j] > 0]·presence, c[j] counting token j in the output so far; and != plain greedy output."""
+    from dsjax.serving.proto import engine_pb2 as pb
+    from dsjax.serving.proto import engine_pb2_grpc as pb_grpc
+
+    model, st = served
+    prompt, greedy = PROMPTS[0], offline[0].tokens
+    bias = {greedy[0]: -100.0, 7: 2.5}
+    presence, frequency = 1.5, 0.75
+    req = pb.GenerateRequest(max_tokens=NEW, input_ids=pb.TokenIds(ids=prompt), skip_text=True,
+                             sampling=pb.SamplingParams(temperature=0.0, presence_penalty=presence,
+                                                        frequency_penalty=frequency, logit_bias=bias))
+    with grpc.insecure_channel(f"127.0.0.1:{st.server.grpc_port}") as ch:
+        stream = pb_grpc.EngineStub(ch).Generate(req, metadata=(("x-api-key", KEY),), timeout=60)
+        out = [t for r in stream if r.WhichOneof("response") == "chunk" for t in r.chunk.token_ids]
+    r = client.completions.create(model="tiny-v4", prompt=prompt, max_tokens=NEW, temperature=0, logprobs=0,
+                                  presence_penalty=presence, frequency_penalty=frequency,
+                                  logit_bias={str(t): v for t, v in bias.items()})
+    tok = st.svc.tokenizer
+    assert r.choices[0].logprobs.tokens == [tok.decode([t]) for t in out]
+    assert len(out) == NEW and out != greedy
+    seq = prompt + out[:-1]  # one forward: the raw logits before every output token
+    raw = np.asarray(model.logits([seq], positions=range(len(prompt) - 1, len(seq))))[0].astype(np.float64)
+    for i in range(NEW):
+        c = np.bincount(np.asarray(out[:i], np.int64), minlength=raw.shape[1]).astype(np.float64)
+        mu = raw[i] - c * frequency - (c > 0) * presence
+        for t, v in bias.items():
+            mu[t] += v
+        assert int(np.argmax(mu)) == out[i], f"step {i}: numpy picks {int(np.argmax(mu))}, the server {out[i]}"
+
+
+@pytest.fixture(scope="module")
+def spec_served(served):
+    """A second server on the same weights decoding with MTP drafts (2 per step, verified on the device)."""
+    cfg = ServeConfig(model="tiny-v4", numerics="transformers", max_num_seqs=SLOTS, max_model_len=MAX_LEN, port=0,
+                      grpc_port=-1, prefill_chunk=32, steps_per_dispatch=4, compilation_cache="none",
+                      prefix_cache_entries=0, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    st = ServerThread(cfg, build(cfg, model=served[0])).start(timeout=300)
+    yield st
+    st.stop()
+
+
+def test_speculative_serving_equals_plain_greedy(spec_served, offline):
+    """5 concurrent greedy requests over 4 slots on the speculative server == offline plain greedy; acceptance
+    length and draft counts in /metrics; penalties and top_logprobs refused by name there."""
+    import httpx2 as httpx
+    import openai
+
+    st = spec_served
+    base = f"http://127.0.0.1:{st.server.http_port}"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+    def one(p):
+        r = client.completions.create(model="tiny-v4", prompt=p, max_tokens=NEW, temperature=0, logprobs=0,
+                                      extra_body={"stop_token_ids": []})
+        return r.choices[0].logprobs.tokens, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        got = list(pool.map(one, PROMPTS[:5], timeout=180))
+    tok = st.svc.tokenizer
+    for i, ((pieces, finish), g) in enumerate(zip(got, offline)):
+        assert pieces == [tok.decode([t]) for t in g.tokens], f"prompt {i}"
+        assert finish == g.finish_reason, f"prompt {i}"
+    sampled = client.completions.create(model="tiny-v4", prompt="Once", max_tokens=5, temperature=0.9, seed=4)
+    assert sampled.usage.completion_tokens == 5
+    with httpx.Client(timeout=30) as c:
+        metrics = c.get(base + "/metrics").text
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("dsjax_") and " " in line}
+        assert values["dsjax_spec_decode_steps_total"] > 0
+        assert values["dsjax_spec_decode_draft_tokens_total"] == 2 * values["dsjax_spec_decode_steps_total"]
+        assert 1.0 <= values["dsjax_acceptance_length"] <= 3.0
+        for field, value in (("frequency_penalty", 1.0), ("logit_bias", {"5": 1}), ("top_logprobs", 2)):
+            body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], field: value, "logprobs": True}
+            r = c.post(base + "/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

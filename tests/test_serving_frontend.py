@@ -4,6 +4,7 @@ RESOURCE_EXHAUSTED), aborts of queued requests, graceful drain (503 / NOT_SERVIN
 own: request validation, the API key, stop-string text, the flags, the memory check and the committed stubs."""
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -365,13 +366,15 @@ LIMITS = Limits(max_model_len=64, max_logprobs=5)
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}, "frequency_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "on"}}, "thinking"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
      "stream_options"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": "7"}, "seed"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": [5]}, "logit_bias"),
 ])
 def test_chat_validation_names_the_field(body, param):
     with pytest.raises(ApiError) as e:
@@ -388,6 +391,14 @@ def test_request_mapping():
     assert p.messages[0] == {"role": "system", "content": "a"} and p.thinking is False
     assert (p.max_tokens, p.sampling.temperature, p.sampling.top_p, p.sampling.seed) == (9, 0.0, 0.5, 3)
     assert p.stop == ("x",) and p.include_usage and p.top_logprobs == 2
+    pen = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5,
+                      "frequency_penalty": -1, "logit_bias": {"7": 3, "2": -100}}, LIMITS).sampling
+    assert (pen.presence_penalty, pen.frequency_penalty, pen.logit_bias) == (0.5, -1.0, ((2, -100.0), (7, 3.0)))
+    spec = dataclasses.replace(LIMITS, speculative=True)
+    for field, value in (("presence_penalty", 1), ("logit_bias", {"7": 1})):
+        with pytest.raises(ApiError) as e:  # a speculative server refuses what only the plain sampler applies
+            parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}, spec)
+        assert e.value.param == field
     c = parse_completion({"model": "m", "prompt": [[0, 5]], "logprobs": 3}, LIMITS)
     assert c.prompt == [0, 5] and c.max_tokens == 16 and c.top_logprobs == 3
     assert [reasoning_effort_for("v4", e) for e in ("low", "medium", "high", "xhigh", "max")] == \
@@ -421,8 +432,13 @@ def test_flags_memory_check_and_cli():
                                           "--grpc-port", "-1", "--no-thinking"])
     cfg = from_args(args)
     assert (cfg.max_num_seqs, cfg.max_model_len, cfg.grpc_port, cfg.default_thinking) == (4, 256, -1, False)
-    with pytest.raises(ConfigError, match="speculative"):
-        from_args(cli.build_parser().parse_args(["serve", "--speculative-config", '{"method": "mtp"}']))
+    spec = from_args(cli.build_parser().parse_args(
+        ["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']))
+    assert spec.num_speculative_tokens == 3
+    for bad_spec, needle in (('{"method": "eagle"}', "method"), ('{"num_speculative_tokens": 0}', "integer"),
+                             ('{"model": "x"}', "unsupported key"), ("[1]", "object"), ("{", "not JSON")):
+        with pytest.raises(ConfigError, match=needle):
+            from_args(cli.build_parser().parse_args(["serve", "--speculative-config", bad_spec]))
     with pytest.raises(ConfigError, match="multiple"):
         ServeConfig(max_num_seqs=3, data_parallel_size=2).validate()
     with tempfile.NamedTemporaryFile("w", suffix=".key", delete=False) as f:

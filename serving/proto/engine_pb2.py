@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dsjax/serving/proto/engine.proto\x12\x10\x64sjax.serving.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\tinput_ids\x18\x02 \x01(\x0b\x32\x1a.dsjax.serving.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .dsjax.serving.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x11\n\tskip_text\x18\t \x01(\x08\x42\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"J\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x1c.dsjax.serving.v1.TopLogprob\"\x82\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.dsjax.serving.v1.TokenLogprob\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.dsjax.serving.v1.Usage\"\xa2\x01\n\x08\x43omplete\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.dsjax.serving.v1.FinishReason\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.dsjax.serving.v1.Usage\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x11\n\tkv_source\x18\x05 \x01(\t\"\x18\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xb6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.dsjax.serving.v1.ChunkH\x00\x12.\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1a.dsjax.serving.v1.CompleteH\x00\x12(\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.dsjax.serving.v1.ErrorH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xaa\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0f\n\x0bSTOP_STRING\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32\xfb\x01\n\x06\x45ngine\x12S\n\x08Generate\x12!.dsjax.serving.v1.GenerateRequest\x1a\".dsjax.serving.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.dsjax.serving.v1.AbortRequest\x1a\x1f.dsjax.serving.v1.AbortResponse\x12R\n\x0cGetModelInfo\x12%.dsjax.serving.v1.GetModelInfoRequest\x1a\x1b.dsjax.serving.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dsjax/serving/proto/engine.proto\x12\x10\x64sjax.serving.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9a\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x43\n\nlogit_bias\x18\x08 \x03(\x0b\x32/.dsjax.serving.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x9f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\tinput_ids\x18\x02 \x01(\x0b\x32\x1a.dsjax.serving.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .dsjax.serving.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x11\n\tskip_text\x18\t \x01(\x08\x12\x17\n\x0f\x63onversation_id\x18\n \x01(\tB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"J\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x1c.dsjax.serving.v1.TopLogprob\"\x82\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.dsjax.serving.v1.TokenLogprob\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.dsjax.serving.v1.Usage\"\xa2\x01\n\x08\x43omplete\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.dsjax.serving.v1.FinishReason\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.dsjax.serving.v1.Usage\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\x11\n\tkv_source\x18\x05 \x01(\t\"\x18\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xb6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.dsjax.serving.v1.ChunkH\x00\x12.\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1a.dsjax.serving.v1.CompleteH\x00\x12(\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.dsjax.serving.v1.ErrorH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xaa\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0f\n\x0bSTOP_STRING\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32\xfb\x01\n\x06\x45ngine\x12S\n\x08Generate\x12!.dsjax.serving.v1.GenerateRequest\x1a\".dsjax.serving.v1.GenerateResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.dsjax.serving.v1.AbortRequest\x1a\x1f.dsjax.serving.v1.AbortResponse\x12R\n\x0cGetModelInfo\x12%.dsjax.serving.v1.GetModelInfoRequest\x1a\x1b.dsjax.serving.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsjax.serving.proto.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1436
-  _globals['_FINISHREASON']._serialized_end=1531
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1634
+  _globals['_FINISHREASON']._serialized_end=1729
   _globals['_TOKENIDS']._serialized_start=54
   _globals['_TOKENIDS']._serialized_end=77
-  _globals['_SAMPLINGPARAMS']._serialized_start=79
-  _globals['_SAMPLINGPARAMS']._serialized_end=189
-  _globals['_GENERATEREQUEST']._serialized_start=192
-  _globals['_GENERATEREQUEST']._serialized_end=454
-  _globals['_USAGE']._serialized_start=456
-  _globals['_USAGE']._serialized_end=536
-  _globals['_TOPLOGPROB']._serialized_start=538
-  _globals['_TOPLOGPROB']._serialized_end=585
-  _globals['_TOKENLOGPROB']._serialized_start=587
-  _globals['_TOKENLOGPROB']._serialized_end=661
-  _globals['_CHUNK']._serialized_start=664
-  _globals['_CHUNK']._serialized_end=794
-  _globals['_COMPLETE']._serialized_start=797
-  _globals['_COMPLETE']._serialized_end=959
-  _globals['_ERROR']._serialized_start=961
-  _globals['_ERROR']._serialized_end=985
-  _globals['_GENERATERESPONSE']._serialized_start=988
-  _globals['_GENERATERESPONSE']._serialized_end=1170
-  _globals['_ABORTREQUEST']._serialized_start=1172
-  _globals['_ABORTREQUEST']._serialized_end=1206
-  _globals['_ABORTRESPONSE']._serialized_start=1208
-  _globals['_ABORTRESPONSE']._serialized_end=1238
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1240
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1261
-  _globals['_MODELINFO']._serialized_start=1264
-  _globals['_MODELINFO']._serialized_end=1434
-  _globals['_ENGINE']._serialized_start=1534
-  _globals['_ENGINE']._serialized_end=1785
+  _globals['_SAMPLINGPARAMS']._serialized_start=80
+  _globals['_SAMPLINGPARAMS']._serialized_end=362
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=305
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=353
+  _globals['_GENERATEREQUEST']._serialized_start=365
+  _globals['_GENERATEREQUEST']._serialized_end=652
+  _globals['_USAGE']._serialized_start=654
+  _globals['_USAGE']._serialized_end=734
+  _globals['_TOPLOGPROB']._serialized_start=736
+  _globals['_TOPLOGPROB']._serialized_end=783
+  _globals['_TOKENLOGPROB']._serialized_start=785
+  _globals['_TOKENLOGPROB']._serialized_end=859
+  _globals['_CHUNK']._serialized_start=862
+  _globals['_CHUNK']._serialized_end=992
+  _globals['_COMPLETE']._serialized_start=995
+  _globals['_COMPLETE']._serialized_end=1157
+  _globals['_ERROR']._serialized_start=1159
+  _globals['_ERROR']._serialized_end=1183
+  _globals['_GENERATERESPONSE']._serialized_start=1186
+  _globals['_GENERATERESPONSE']._serialized_end=1368
+  _globals['_ABORTREQUEST']._serialized_start=1370
+  _globals['_ABORTREQUEST']._serialized_end=1404
+  _globals['_ABORTRESPONSE']._serialized_start=1406
+  _globals['_ABORTRESPONSE']._serialized_end=1436
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1438
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1459
+  _globals['_MODELINFO']._serialized_start=1462
+  _globals['_MODELINFO']._serialized_end=1632
+  _globals['_ENGINE']._serialized_start=1732
+  _globals['_ENGINE']._serialized_end=1983
 # @@protoc_insertion_point(module_scope)

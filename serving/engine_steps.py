@@ -1,0 +1,53 @@
+"""The compiled programs the slot engine runs besides the decode loops themselves (`dsjax.decode.decode_steps`,
+`dsjax.speculative.spec_steps`): rows joining, and one prefill chunk with the first token of the rows whose
+prompt ends in it. Each is jitted once per engine configuration; shapes never depend on the requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ModelConfig
+from dsjax.model import forward_hidden_chunk, head_logits
+from dsjax.mtp import mtp_hidden
+from dsjax.sampling import Penalties, SamplingParams, counted, penalised, sample, token_logprobs
+from dsjax.sharding import gather_vocab
+from dsjax.state import init_state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_seq", "with_mtp"), donate_argnames=("state", "counts"))
+def join_rows(state, counts, reset, clear, *, cfg: ModelConfig, max_seq: int, with_mtp: bool):
+    """Rows joining: state rows where `reset` back to an empty cache (the others bit for bit untouched, including
+    rows that start from a cached prefix), output-token counts [B, V] zeroed where `clear`."""
+    fresh = init_state(cfg, reset.shape[0], max_seq, with_mtp=with_mtp)
+
+    def pick(old, new):
+        return jnp.where(reset.reshape(reset.shape + (1,) * (old.ndim - 1)), new, old)
+
+    return jax.tree.map(pick, state, fresh), jnp.where(clear[:, None], 0, counts)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "K", "mtp"), donate_argnames=("state",))
+def prefill(params, tokens, next_tokens, state, n_valid, n_mtp, ends, sp: SamplingParams, pen: Penalties | None, *,
+            cfg: ModelConfig, K: int, mtp: bool):
+    """One prompt chunk tokens [B, C] for the rows with n_valid > 0, and a first token sampled at each row's last
+    valid position (what `generate` samples after the prompt: same position, same key), counted in `pen` for the
+    rows that `ends`. Only the last position's logits are computed — a whole chunk's [B, C, vocab] would dwarf
+    everything else. With `mtp`, the MTP block also consumes the n_mtp positions whose next token (next_tokens)
+    is known, and the last position's streams come back for the first draft."""
+    B, C = tokens.shape
+    start = state.lengths
+    h, state = forward_hidden_chunk(params, cfg, tokens, state, n_valid)
+    if mtp:
+        _, ring = mtp_hidden(params, cfg, h, next_tokens, state.mtp[0], start, n_mtp)
+        state = dataclasses.replace(state, mtp=(ring,))
+    rows = jnp.arange(B)
+    last_h = h[rows, jnp.clip(n_valid - 1, 0, C - 1)]
+    logits = head_logits(last_h[:, None], params, cfg, params.hc_head, params.norm)[:, 0]
+    logits = gather_vocab(logits, cfg.sharding)
+    tok = sample(penalised(logits, pen), sp, state.lengths)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, K)
+    return state, tok, lp, top_ids, top_lp, (last_h if mtp else None), counted(pen, tok, ends)
