@@ -23,6 +23,12 @@ class ApiKey:
         candidate = hashlib.sha256((presented or "").encode("utf-8", "surrogateescape")).digest()
         return hmac.compare_digest(candidate, self._digest) and presented is not None
 
+    @staticmethod
+    def tenant(header: str | None) -> str:
+        """Who is asking, for namespacing conversation ids: a hash of the presented credential."""
+        _, _, token = (header or "").partition(" ")
+        return hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).hexdigest()[:16] if token else "-"
+
     def accepts_bearer(self, header: str | None) -> bool:
         """An `Authorization` header value: `Bearer <key>` (scheme case-insensitive)."""
         if self._digest is None:

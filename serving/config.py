@@ -40,6 +40,16 @@ class ServeConfig:
     mem_fraction: float | None = None
     skip_memory_check: bool = False
     log_level: str = "info"
+    # KV handoff between servers (serving-kv-handoff.md §8)
+    redis_url: str | None = None
+    server_id: str | None = None
+    kv_peer_port: int = -1            # -1: no KvPeer service (and no handoff)
+    cluster_token: str | None = None
+    kv_store_bytes: int = 1 << 30
+    kv_handoff_timeout: float = 2.0
+    kv_transport: str = "auto"        # auto (NIXL when importable) | nixl | grpc
+    kv_test_chunk_delay: float = 0.0  # tests only: seconds between Pull chunks
+    kv_chunk_bytes: int = 1 << 20
 
     def validate(self) -> "ServeConfig":
         def positive(name, lo=1):
@@ -56,6 +66,16 @@ class ServeConfig:
             raise ConfigError(f"--max-num-seqs {self.max_num_seqs} must be a multiple of --data-parallel-size "
                               f"{self.data_parallel_size}")
         self.num_speculative_tokens  # validates the JSON's contents
+        if self.kv_peer_port >= 0 and not self.cluster_token:
+            raise ConfigError("--kv-peer-port needs --cluster-token-file (peers authenticate every KvPeer call)")
+        if self.redis_url and self.kv_peer_port < 0:
+            raise ConfigError("--redis-url needs --kv-peer-port (the port peers pull this server's KV from)")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"--redis-url must be redis://host:port[/db] (or rediss://, unix://), got {self.redis_url!r}")
+        if self.kv_transport not in ("auto", "nixl", "grpc"):
+            raise ConfigError(f"--kv-transport must be auto, nixl or grpc, got {self.kv_transport!r}")
+        positive("kv_store_bytes")
+        positive("kv_chunk_bytes", 4096)
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
         for path in (self.ssl_certfile, self.ssl_keyfile):
@@ -128,6 +148,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest top_logprobs a request may ask")
     e.add_argument("--compilation-cache", default="default",
                    help="JAX persistent compilation cache directory ('default': ~/.cache/dsjax/xla; 'none': off)")
+    k = p.add_argument_group("KV handoff between servers")
+    k.add_argument("--redis-url", default=None, help="Redis recording which server owns which conversation's KV")
+    k.add_argument("--server-id", default=None, help="this server's name in Redis (default: host-pid)")
+    k.add_argument("--kv-peer-port", type=int, default=d.kv_peer_port,
+                   help="port of the internal KvPeer gRPC service (-1: off); bind it to the pod network only")
+    k.add_argument("--cluster-token-file", default=None, help="file with the secret shared by the cluster's servers "
+                   "(authenticates KvPeer calls and keys conversation ids)")
+    k.add_argument("--kv-store-bytes", type=int, default=d.kv_store_bytes, help="host KV store budget in bytes")
+    k.add_argument("--kv-handoff-timeout", type=float, default=d.kv_handoff_timeout,
+                   help="seconds a turn may spend getting its KV from a peer before it recomputes")
+    k.add_argument("--kv-transport", default=d.kv_transport, choices=["auto", "nixl", "grpc"],
+                   help="data path: NIXL READ (auto: when nixl_cu13 imports) with the chunked gRPC stream as fallback")
+    k.add_argument("--kv-chunk-bytes", type=int, default=d.kv_chunk_bytes, help="bytes per chunk of the gRPC data path")
+    k.add_argument("--kv-test-chunk-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     e.add_argument("--mem-fraction", type=float, default=None, help="device memory share for the fit check")
     e.add_argument("--skip-memory-check", action="store_true", help="start even if the plan says it does not fit")
 
@@ -145,5 +179,14 @@ def from_args(args: argparse.Namespace) -> ServeConfig:
             raise ConfigError(f"--speculative-config is not JSON: {e}") from None
     names = {f.name for f in dataclasses.fields(ServeConfig)}
     kw = {k: v for k, v in vars(args).items() if k in names}
-    kw.update(api_key=key or None, speculative_config=spec)
+    token = None
+    if args.cluster_token_file:
+        try:
+            with open(args.cluster_token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"--cluster-token-file: {e}") from None
+        if len(token) < 16:
+            raise ConfigError(f"--cluster-token-file {args.cluster_token_file}: the token needs at least 16 characters")
+    kw.update(api_key=key or None, speculative_config=spec, cluster_token=token)
     return ServeConfig(**kw).validate()

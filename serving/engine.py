@@ -6,9 +6,10 @@ the rest have `n_valid = 0` and keep their caches bit for bit) -> the first toke
 prompt position -> decode dispatches (`dsjax.decode.decode_steps`, the same loop `Model.generate` runs; or
 `dsjax.speculative.spec_steps` with MTP drafts) until done. The host sees tokens once per dispatch. Sampling keys
 are per row and folded with the position, so a request's tokens do not depend on which slot it got or what else
-is running. Presence/frequency penalties and logit_bias run in a second compiled variant of the prefill and
-decode programs (`dsjax.sampling.Penalties`: per-row values, a [slots, vocab] bias and output-token counts on
-the device), used only for dispatches where some row asks for them; both variants compile at warm-up.
+is running. Presence/frequency penalties and logit_bias are part of every plain prefill and decode program
+(`dsjax.sampling.Penalties`: per-row values, a [slots, vocab] bias and output-token counts carried on the
+device; zeros for rows that do not ask) — one program for every mix of requests, at the cost of a [slots, vocab]
+add per step.
 
 This class is single-threaded: the scheduler thread owns it.
 """
@@ -44,7 +45,7 @@ class RowSampling:
 
     @property
     def penalised(self) -> bool:
-        """Whether the row needs the penalty program (counts of its output tokens, bias added to the logits)."""
+        """Whether the request asks for penalties or a bias (refused by a speculative server)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
@@ -89,7 +90,6 @@ class SlotEngine:
         self._presence = np.zeros(slots, np.float32)
         self._frequency = np.zeros(slots, np.float32)
         self._bias = np.zeros((slots, self.cfg.vocab_size), np.float32)
-        self.penalised = np.zeros(slots, bool)
         self._sp: SamplingParams | None = None
         self._pen: tuple | None = None
         self.prompt: list[np.ndarray | None] = [None] * slots  # prompt tokens still to prefill
@@ -116,12 +116,15 @@ class SlotEngine:
         return [b for b in range(self.slots) if self.prompt[b] is None and not self.decoding[b]]
 
     def join(self, slot: int, prompt: list[int], max_new_tokens: int, sampling: RowSampling,
-             top_logprobs: int = 0) -> int:
+             top_logprobs: int = 0, start=None) -> int:
         """Put a request into a free slot; its prompt is prefilled by the next `prefill_step` calls.
-        Returns how many prompt tokens come from the prefix cache (not prefilled again)."""
+        `start`: a state row holding the KV of the prompt's first `start.tokens` tokens (a KV handoff), used when
+        longer than the prefix cache's match. Returns how many prompt tokens are not prefilled again."""
         assert self.prompt[slot] is None and not self.decoding[slot], f"slot {slot} is busy"
         full = np.asarray(prompt, np.int32)
         cached, row = self.cache.lookup(full)
+        if start is not None and cached < start.tokens < len(full):
+            cached, row = start.tokens, start.row
         self._full_prompt[slot] = full
         self.prompt[slot] = full[cached:]
         self.remaining[slot] = max_new_tokens
@@ -133,7 +136,6 @@ class SlotEngine:
         self._bias[slot] = 0.0
         for t, v in sampling.logit_bias:
             self._bias[slot, t] = v
-        self.penalised[slot] = sampling.penalised
         self._pending_clear[slot] = True
         self._sp = self._pen = None
         if row is None:
@@ -143,6 +145,11 @@ class SlotEngine:
             self._pending_reset[slot] = False
             self._pending_insert[slot] = row
         return cached
+
+    def snapshot(self, slot: int):
+        """A copy of the slot's state row on the device (the KV of the tokens it holds), for the host KV store."""
+        with self.model._on_mesh():
+            return take_row(self.state, jnp.int32(slot))
 
     def leave(self, slot: int) -> None:
         """Stop a row now (abort, stop string): it no longer advances; its cache is reset when the slot is reused."""
@@ -168,10 +175,9 @@ class SlotEngine:
                                       jnp.asarray(self._top_p), jnp.asarray(self._min_p), jnp.asarray(self._keys))
         return self._sp
 
-    def _penalties(self, rows, always: bool = False) -> Penalties | None:
-        """The penalty program's inputs when one of `rows` needs them (or `always`: the prefill, one program
-        either way), else None (the plain program, shared with `Model.generate`)."""
-        if not (always or self.penalised[rows].any()):
+    def _penalties(self) -> Penalties | None:
+        """Every row's penalties and output counts (None with speculative decoding, which does not apply them)."""
+        if self.k:
             return None
         if self._pen is None:
             self._pen = (jnp.asarray(self._presence), jnp.asarray(self._frequency), jnp.asarray(self._bias))
@@ -208,8 +214,8 @@ class SlotEngine:
             self._apply_joins()
             self.state, tok, lp, top_ids, top_lp, last_h, pen = prefill(
                 self.params, jnp.asarray(tokens), jnp.asarray(nxt), self.state, jnp.asarray(n_valid),
-                jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(ended, always=not self.k),
-                cfg=self.cfg, K=K, mtp=self.k > 0)
+                jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(), cfg=self.cfg, K=K,
+                mtp=self.k > 0)
             if pen is not None:
                 self.counts = pen.counts
             for b in rows:
@@ -255,7 +261,7 @@ class SlotEngine:
             if self.k:
                 got = self._spec_dispatch()
             else:
-                got = self._plain_dispatch(rows)
+                got = self._plain_dispatch()
         count, done, toks, lp, top_ids, top_lp, drafted, accepted = got
         out = []
         for b in rows:
@@ -273,18 +279,18 @@ class SlotEngine:
                                   row_steps=d // self.k if self.k else 0, drafted=d, accepted=a))
         return out
 
-    def _plain_dispatch(self, rows):
+    def _plain_dispatch(self):
         B, N, K = self.slots, self.steps, self.max_top
         carry = LoopCarry(
             state=self.state, last=self.last, tokens=jnp.zeros((B, N), jnp.int32),
             logprob=jnp.zeros((B, N), jnp.float32), top_ids=jnp.zeros((B, N, K), jnp.int32),
             top_lp=jnp.zeros((B, N, K), jnp.float32), count=jnp.zeros((B,), jnp.int32),
-            done=jnp.asarray(~self.decoding), steps=jnp.int32(0), penalties=self._penalties(rows))
+            done=jnp.asarray(~self.decoding), steps=jnp.int32(0), penalties=self._penalties())
         carry = decode_steps(self.params, carry, self._sampling(), self.stop_ids, jnp.asarray(self._max_new()),
                              cfg=self.cfg, max_steps=N, K=K, max_seq=self.max_seq)
         self.state, self.last = carry.state, carry.last
-        if carry.penalties is not None:
-            self.counts = carry.penalties.counts
+        pen = carry.penalties  # the carry was donated: keep its (returned) penalty arrays
+        self.counts, self._pen = pen.counts, (pen.presence, pen.frequency, pen.bias)
         zeros = np.zeros(B, np.int32)
         return (*jax.device_get((carry.count, carry.done, carry.tokens, carry.logprob, carry.top_ids, carry.top_lp)),
                 zeros, zeros)
@@ -310,16 +316,14 @@ class SlotEngine:
         return np.maximum(self.remaining, 1)
 
     def warm_up(self) -> None:
-        """Compile every program serving runs (row joins, prefill chunk, decode dispatch — with and without the
-        penalty program, and a prefix-cache hit) before reporting ready."""
+        """Compile every program serving runs (row joins, prefill chunk, decode dispatch, a prefix-cache hit and
+        a row snapshot) before reporting ready."""
         bos = self.cfg.bos_token_id
-        kinds = [RowSampling()] + ([] if self.k else [RowSampling(frequency_penalty=1.0)])
-        prompts = ([bos], [bos, bos]) if self.cache.capacity else ([bos],)  # the second one hits the cache
-        for sampling in kinds:
-            for prompt in prompts:
-                self.join(0, prompt, 2, sampling)
-                self.prefill_step()
-                self.decoding[0], self.remaining[0] = True, 1  # even if the first token was a stop id
-                self.decode_step()
-                self.leave(0)
-            self.cache.clear()
+        for prompt in ([bos], [bos, bos]) if self.cache.capacity else ([bos],):  # the second one hits the cache
+            self.join(0, prompt, 2, RowSampling())
+            self.prefill_step()
+            self.decoding[0], self.remaining[0] = True, 1  # even if the first token was a stop id
+            self.decode_step()
+            self.snapshot(0)
+            self.leave(0)
+        self.cache.clear()

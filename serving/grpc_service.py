@@ -99,9 +99,14 @@ class EngineServicer(pb_grpc.EngineServicer):
                 raise ApiError(400, f"at most {svc.limits.max_stop} stop strings", "stop")
             max_tokens = svc.budget(ids, request.max_tokens or None, "input")
             sampling = _sampling(request.sampling, request.HasField("sampling"))
+            if len(request.conversation_id) > 256:
+                raise ApiError(400, "conversation_id is longer than 256 characters", "conversation_id")
+            md = dict(context.invocation_metadata() or ())
+            conv = await svc.conversation(request.conversation_id, ApiKey.tenant(
+                md.get("authorization") or (f"key {md['x-api-key']}" if "x-api-key" in md else None)), ids)
             rid, stream = svc.submit(ids, max_tokens, sampling=sampling,
                                      top_logprobs=request.top_logprobs, stop_token_ids=tuple(request.stop_token_ids),
-                                     request_id=request.request_id or None)
+                                     request_id=request.request_id or None, conversation=conv)
         except ApiError as e:
             await self._fail(context, e)
             return
@@ -136,7 +141,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                         finish_reason=reason, usage=pb.Usage(prompt_tokens=len(ids), completion_tokens=n,
                                                              cached_tokens=out.cached_tokens),
                         ttft_s=(first or end) - t0, tokens_per_s=rate,
-                        kv_source="local" if out.cached_tokens else "recompute"))
+                        kv_source=out.kv_source))
                     if text.stopped:
                         svc.abort(rid, "stop")
                     return

@@ -207,11 +207,14 @@ def build_app(svc: Service, *, api_key: ApiKey, max_request_bytes: int = 1 << 20
         """Submit the request (n of them for `n` choices: seeds seed, seed+1, ...) and answer, streamed or whole."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         subs: list[tuple[str, object]] = []
+        key = p.conversation or request.headers.get("x-conversation-id")
+        conv = await svc.conversation(key, api_key.tenant(request.headers.get("authorization")), ids)
         try:
             for i in range(p.n):
                 sampling = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
                 subs.append(svc.submit(ids, max_tokens, sampling=sampling, top_logprobs=p.top_logprobs,
-                                       stop_token_ids=p.stop_token_ids, request_id=rid if p.n == 1 else f"{rid}-{i}"))
+                                       stop_token_ids=p.stop_token_ids, request_id=rid if p.n == 1 else f"{rid}-{i}",
+                                       conversation=conv if i == 0 else None))
         except ApiError:
             for sid, _ in subs:
                 svc.abort(sid)

@@ -46,6 +46,17 @@ class Metrics:
         self.spec_drafted = Counter("dsjax_spec_decode_draft_tokens", "Draft tokens proposed", registry=r)
         self.spec_accepted = Counter("dsjax_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
         self._spec_tokens = self._spec_row_steps = 0
+        self.kv_source = Counter("dsjax_kv_source", "Turns of named conversations by where their KV came from",
+                                 ["source"], registry=r)
+        self.kv_bytes = Counter("dsjax_kv_handoff_bytes", "KV bytes pulled from peers", ["path"], registry=r)
+        self.kv_transfer = Histogram("dsjax_kv_transfer_seconds", "Time to get a conversation's KV from its owner "
+                                     "(lookup, acquire, transfer, verify), hit or miss", registry=r, buckets=_LATENCY)
+        self.kv_discarded = Counter("dsjax_kv_discarded_bytes", "Bytes that arrived from a peer in a transfer that "
+                                    "failed, and were dropped", registry=r)
+        self.kv_failures = Counter("dsjax_kv_handoff_failures", "Handoffs that ended in a recompute, by reason",
+                                   ["reason"], registry=r)
+        for source in ("local", "peer", "recompute"):
+            self.kv_source.labels(source=source)
         self.info = Gauge("dsjax_model_info", "The served model", ["model"], registry=r)
         self.info.labels(model=model_name).set(1)
         self.started = time.time()

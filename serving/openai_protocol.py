@@ -61,12 +61,14 @@ class GenParams:
     thinking: bool | None = None
     reasoning_effort: Any = None
     tools: list[dict] | None = None
+    conversation: str | None = None  # prompt_cache_key (or the X-Conversation-Id header): names the KV to reuse
     # completions only
     prompt: str | list[int] | None = None
 
 
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-           "stop", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "user", "logit_bias", "logprobs"}
+           "stop", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "user", "logit_bias", "logprobs",
+           "prompt_cache_key"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "thinking", "chat_template_kwargs", "reasoning_effort",
                          "response_format", "store", "metadata"}
@@ -144,8 +146,11 @@ def _common(body: dict, allowed: set[str], limits: Limits) -> GenParams:
         raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
     if len(stop_ids) > limits.max_stop:
         raise bad("stop_token_ids", f"at most {limits.max_stop} stop token ids")
+    key = body.get("prompt_cache_key")
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 256):
+        raise bad("prompt_cache_key", "prompt_cache_key must be a non-empty string of at most 256 characters")
     return GenParams(model=model, stream=stream, n=n, include_usage=include_usage, sampling=sampling,
-                     stop=tuple(stop), stop_token_ids=tuple(stop_ids))
+                     stop=tuple(stop), stop_token_ids=tuple(stop_ids), conversation=key)
 
 
 def _logit_bias(value, limits: Limits) -> tuple[tuple[int, float], ...]:

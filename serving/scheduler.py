@@ -40,6 +40,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    kv_source: str = "recompute"  # where those came from: local | peer | recompute
 
 
 @dataclasses.dataclass
@@ -56,6 +57,10 @@ class Request:
     generated: int = 0
     slot: int | None = None
     cached_tokens: int = 0
+    conversation: str | None = None  # KV handoff: the conversation id (HMAC'd), snapshotted after the turn
+    start: object = None             # kv_handoff.Start: a state row to start from
+    kv_source: str = "recompute"
+    output: list[int] = dataclasses.field(default_factory=list)
 
 
 class OutputStream:
@@ -82,8 +87,8 @@ class OutputStream:
 class Scheduler:
     """`submit` / `abort` from any thread; `start` runs the engine loop in a daemon thread."""
 
-    def __init__(self, engine: SlotEngine, *, max_queue: int, metrics=None):
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+    def __init__(self, engine: SlotEngine, *, max_queue: int, metrics=None, kv=None):
+        self.engine, self.max_queue, self.metrics, self.kv = engine, max_queue, metrics, kv
         self._waiting: collections.deque[Request] = collections.deque()
         self._aborts: dict[str, str] = {}
         self._by_id: dict[str, Request] = {}
@@ -198,7 +203,14 @@ class Scheduler:
                 req = self._waiting.popleft()
             req.slot = slot
             self._slot_owner[slot] = req
-            req.cached_tokens = self.engine.join(slot, req.prompt, req.max_tokens, req.sampling, req.top_logprobs)
+            extra = {"start": req.start} if req.start is not None else {}
+            req.cached_tokens = self.engine.join(slot, req.prompt, req.max_tokens, req.sampling, req.top_logprobs,
+                                                 **extra)
+            used = req.start is not None and req.cached_tokens == req.start.tokens
+            req.kv_source = req.start.source if used else "local" if req.cached_tokens else "recompute"
+            req.start = None  # the row is in the engine now
+            if self.metrics and req.conversation:
+                self.metrics.kv_source.labels(source=req.kv_source).inc()
             if self.metrics:
                 self.metrics.queue_time.observe(time.monotonic() - req.arrival)
                 self.metrics.prompt_tokens.inc(len(req.prompt))
@@ -221,7 +233,13 @@ class Scheduler:
                     break
             n = len(tokens)
             out = RequestOutput(tokens, o.logprobs[:n], o.top[:n], finish_reason=finished,
-                                cached_tokens=req.cached_tokens)
+                                cached_tokens=req.cached_tokens, kv_source=req.kv_source)
+            if self.kv is not None and req.conversation:
+                if not req.output and n:  # the prefill just ended: its state holds exactly the prompt
+                    self.kv.snapshot(req.conversation, "prompt", req.prompt, self.engine.snapshot(o.slot))
+                req.output.extend(tokens)
+                if finished is not None:
+                    self.kv.snapshot(req.conversation, "final", req.prompt + req.output, self.engine.snapshot(o.slot))
             if req.first_token_at is None and n:
                 req.first_token_at = now
                 if self.metrics:

@@ -116,12 +116,44 @@ def build(cfg: ServeConfig, model=None):
     engine = SlotEngine(model, slots=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
                         steps_per_dispatch=cfg.steps_per_dispatch, max_top_logprobs=cfg.max_logprobs,
                         prefix_cache_entries=cfg.prefix_cache_entries, num_speculative_tokens=k)
-    scheduler = Scheduler(engine, max_queue=cfg.max_queue, metrics=metrics)
+    kv = _kv_handoff(cfg, model, engine, metrics) if cfg.kv_peer_port >= 0 else None
+    scheduler = Scheduler(engine, max_queue=cfg.max_queue, metrics=metrics, kv=kv)
     info = ModelInfo(id=cfg.model_id, source=model.source, family=family, max_model_len=model.max_seq_len,
                      max_num_seqs=cfg.max_num_seqs, vocab_size=model.cfg.vocab_size,
                      eos_token_id=model.cfg.eos_token_id)
     limits = Limits(max_model_len=model.max_seq_len, max_logprobs=0 if k else cfg.max_logprobs, speculative=k > 0)
-    return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics)
+    return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics, kv=kv)
+
+
+def _kv_handoff(cfg: ServeConfig, model, engine, metrics):
+    """The host KV store, its byte layout (compat hash over model, weights and state layout) and the optional
+    NIXL endpoint; Redis ownership is attached once the KvPeer port is bound (Server.start)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.errors import ConfigError
+    from dsjax.serving import kv_nixl
+    from dsjax.serving.kv_handoff import KvHandoff
+    from dsjax.serving.kv_layout import Layout
+    from dsjax.serving.kv_store import HostKvStore
+    from dsjax.serving.prefix_cache import take_row
+
+    template = jax.eval_shape(take_row, engine.state, jnp.int32(0))
+    layout = Layout(template, engine.max_seq, f"{model.cfg!r}|{model.source}|spec={engine.k}")
+    store = HostKvStore(cfg.kv_store_bytes)
+    nixl = None
+    if cfg.kv_transport == "nixl" and not kv_nixl.available():
+        raise ConfigError("--kv-transport nixl: nixl_cu13 is not installed (pip install --no-deps nixl-cu13==1.5.1)")
+    if cfg.kv_transport != "grpc" and kv_nixl.available():
+        nixl = kv_nixl.NixlEndpoint(f"{_server_id(cfg)}-{os.getpid()}", store.arena, cfg.kv_store_bytes)
+    log.info("KV handoff: store %.0f MB, data path %s, layout %s", cfg.kv_store_bytes / 1e6,
+             "NIXL + chunked gRPC" if nixl else "chunked gRPC", layout.compat[:12])
+    return KvHandoff(layout, store, None, token=cfg.cluster_token, server_id=_server_id(cfg), nixl=nixl,
+                     metrics=metrics, budget_s=cfg.kv_handoff_timeout)
+
+
+def _server_id(cfg: ServeConfig) -> str:
+    return cfg.server_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
 class _Uvicorn:
@@ -158,7 +190,8 @@ class Server:
         self.grpc = None
         if cfg.grpc_port >= 0:
             self.grpc = GrpcServer(svc, key, max_request_bytes=cfg.max_request_bytes, metrics=svc.metrics)
-        self.http_port = self.grpc_port = None
+        self.http_port = self.grpc_port = self.kv_peer_port = None
+        self.kv_peer = None
         self._stopped = None
         self._tasks = []
 
@@ -183,12 +216,33 @@ class Server:
             self.grpc_port = self.grpc.bind(self.cfg.host, self.cfg.grpc_port, creds)
             await self.grpc.set_serving(False)
             await self.grpc.server.start()
-        log.info("listening: HTTP %s:%s, gRPC %s", self.cfg.host, self.http_port,
-                 f"{self.cfg.host}:{self.grpc_port}" if self.grpc else "off")
+        if self.svc.kv is not None:
+            await self._start_kv_peer()
+        log.info("listening: HTTP %s:%s, gRPC %s, KvPeer %s", self.cfg.host, self.http_port,
+                 f"{self.cfg.host}:{self.grpc_port}" if self.grpc else "off",
+                 f"{self.cfg.host}:{self.kv_peer_port}" if self.kv_peer else "off")
+
+    async def _start_kv_peer(self) -> None:
+        import uuid
+
+        from dsjax.serving.kv_ownership import Ownership
+        from dsjax.serving.kv_peer import KvPeerServer, KvPeerServicer
+
+        kv, boot = self.svc.kv, uuid.uuid4().hex[:12]
+        servicer = KvPeerServicer(kv.store, kv.layout, self.cfg.cluster_token, boot, nixl=kv.nixl,
+                                  chunk_bytes=self.cfg.kv_chunk_bytes, chunk_delay_s=self.cfg.kv_test_chunk_delay)
+        self.kv_peer = KvPeerServer(servicer)
+        self.kv_peer_port = self.kv_peer.bind(self.cfg.host, self.cfg.kv_peer_port)
+        await self.kv_peer.server.start()
+        if self.cfg.redis_url:
+            host = self.cfg.host if self.cfg.host not in ("0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
+            kv.ownership = Ownership(self.cfg.redis_url, kv.server_id, boot, f"{host}:{self.kv_peer_port}")
 
     async def warm_up(self, t0: float) -> None:
         await asyncio.to_thread(self.svc.scheduler.engine.warm_up)
         self.svc.scheduler.start()
+        if self.svc.kv is not None and self.svc.kv.ownership is not None:
+            self.svc.kv.ownership.start_heartbeat()
         self.svc.ready = True
         if self.grpc:
             await self.grpc.set_serving(True)
@@ -210,6 +264,11 @@ class Server:
         self.http.stop()
         if self.grpc:
             await self.grpc.server.stop(grace=1.0)
+        if self.kv_peer:
+            if self.svc.kv.ownership is not None:
+                await asyncio.to_thread(self.svc.kv.ownership.stop)
+            await self.kv_peer.server.stop(grace=1.0)
+            await self.svc.kv.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._stopped.set()
 

@@ -28,9 +28,9 @@ class ModelInfo:
 
 class Service:
     def __init__(self, info: ModelInfo, tokenizer: Tokenizer, scheduler: Scheduler, limits: Limits, *,
-                 default_thinking: bool = True, metrics=None):
+                 default_thinking: bool = True, metrics=None, kv=None):
         self.info, self.tokenizer, self.scheduler, self.limits = info, tokenizer, scheduler, limits
-        self.default_thinking, self.metrics = default_thinking, metrics
+        self.default_thinking, self.metrics, self.kv = default_thinking, metrics, kv
         self.ready = False  # set after warm-up; cleared on drain
 
     def check_model(self, name: str) -> None:
@@ -77,7 +77,8 @@ class Service:
         return max_tokens
 
     def submit(self, ids: list[int], max_tokens: int, *, sampling: RowSampling, top_logprobs: int = 0,
-               stop_token_ids=(), request_id: str | None = None) -> tuple[str, OutputStream]:
+               stop_token_ids=(), request_id: str | None = None, conversation: tuple[str, object] | None = None
+               ) -> tuple[str, OutputStream]:
         """Queue a request; its outputs arrive on the returned stream. Raises ApiError 429 / 503."""
         for t in stop_token_ids:
             if not 0 <= t < self.info.vocab_size:
@@ -94,6 +95,8 @@ class Service:
         stream = OutputStream()
         req = Request(id=rid, prompt=list(ids), max_tokens=max_tokens, sampling=sampling, top_logprobs=top_logprobs,
                       stop_token_ids=frozenset(stop_token_ids), emit=stream.emit)
+        if conversation is not None:
+            req.conversation, req.start = conversation
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
@@ -105,6 +108,14 @@ class Service:
         except ValueError as e:
             raise bad("request_id", str(e)) from None
         return rid, stream
+
+    async def conversation(self, key: str | None, tenant: str, ids: list[int]) -> tuple[str, object] | None:
+        """(conversation id, where its KV starts) for a named conversation on a server with KV handoff; None
+        otherwise. The id is HMAC'd with the cluster secret and the tenant (the API key's hash)."""
+        if not key or self.kv is None:
+            return None
+        cid = self.kv.conversation(tenant, key)
+        return cid, await self.kv.prepare(cid, ids)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         return self.scheduler.abort(request_id, reason)

@@ -5,8 +5,8 @@ cancellation and deadlines freeing slots, and bad input answered with the right 
 One server for the module (one model load, one warm-up). numerics="transformers" is batch-invariant, so a
 request's tokens cannot depend on its slot, its neighbours or how its prompt was chunked: served greedy output
 must equal `Model.generate` exactly. The offline runs use the server's decode shapes (4 slots, 16 steps per
-dispatch, 5 top logprobs), so both share one compiled decode loop; 16 streams over 4 slots also exercise the
-queue and requests joining a running batch.
+dispatch, 5 top logprobs; the server's loop also carries penalties, so the two compile separately); 16 streams
+over 4 slots also exercise the queue and requests joining a running batch.
 """
 
 import concurrent.futures

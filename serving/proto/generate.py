@@ -1,6 +1,7 @@
-"""Regenerate the committed stubs from engine.proto: `python -m dsjax.serving.proto.generate` (needs grpcio-tools).
+"""Regenerate the committed stubs from engine.proto and kvpeer.proto: `python -m dsjax.serving.proto.generate`
+(needs grpcio-tools).
 
-The proto is compiled as `dsjax/serving/proto/engine.proto`, so the stubs import each other as
+Each proto is compiled as `dsjax/serving/proto/<name>.proto`, so the stubs import each other as
 `dsjax.serving.proto.*` and reflection names the file by its installed path. tests/test_serving_proto.py
 checks that the committed stubs are what this writes.
 """
@@ -13,7 +14,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUTPUTS = ("engine_pb2.py", "engine_pb2.pyi", "engine_pb2_grpc.py")
+PROTOS = ("engine", "kvpeer")
+OUTPUTS = tuple(f"{p}{suffix}" for p in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
 def generate(out_dir: str) -> None:
@@ -22,11 +24,12 @@ def generate(out_dir: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         pkg = os.path.join(tmp, "dsjax", "serving", "proto")
         os.makedirs(pkg)
-        shutil.copy(os.path.join(HERE, "engine.proto"), pkg)
-        args = ["protoc", f"-I{tmp}", f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
-                "dsjax/serving/proto/engine.proto"]
-        if protoc.main(args) != 0:
-            raise RuntimeError("protoc failed on engine.proto")
+        for name in PROTOS:
+            shutil.copy(os.path.join(HERE, f"{name}.proto"), pkg)
+            args = ["protoc", f"-I{tmp}", f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
+                    f"dsjax/serving/proto/{name}.proto"]
+            if protoc.main(args) != 0:
+                raise RuntimeError(f"protoc failed on {name}.proto")
         for name in OUTPUTS:
             shutil.copy(os.path.join(pkg, name), os.path.join(out_dir, name))
 
