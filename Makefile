@@ -4,7 +4,7 @@ PY312 ?= $(shell for p in $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/
 VENV ?= .venv
 PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
 
-.PHONY: venv oracle demo test clean
+.PHONY: venv oracle redis demo test clean
 
 venv: $(VENV)/.installed
 
@@ -13,7 +13,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY312) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e ".[test]"
+	# KV handoff data path A (optional): NIXL without its declared deps (they pull CUDA torch); module nixl_cu13
+	$(VENV)/bin/pip install -q --no-deps nixl-cu13==1.5.1 || echo "warning: nixl-cu13 not installed: KV handoff uses the gRPC path only"
 	touch $@
+
+# The KV handoff tests start a real redis-server (Debian package) on a free loopback port.
+redis:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get install -y -q redis-server || { apt-get update -q && apt-get install -y -q redis-server; }; \
+	  else sudo -n apt-get install -y -q redis-server; fi; }
 
 oracle:
 	bash tests/oracle/build_venv.sh >/dev/null
@@ -21,7 +29,7 @@ oracle:
 demo: venv
 	$(VENV)/bin/dsjax generate --prompt "The capital of France is" --max-new-tokens 32
 
-test: venv oracle
+test: venv oracle redis
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
