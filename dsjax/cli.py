@@ -1,4 +1,4 @@
-"""`dsjax` command line: generate, chat, logits, convert, info, plan. `dsjax COMMAND --help` explains each flag."""
+"""`dsjax` command line: generate, chat, logits, convert, info, plan, bench, serve. `dsjax COMMAND --help` explains each flag."""
 
 from __future__ import annotations
 
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dsjax.cli_plan import add_plan_parser
 
     add_plan_parser(sub)
+    from dsjax.cli_bench import add_bench_parser
+
+    add_bench_parser(sub)
     from dsjax.serving.config import add_serve_args
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC (continuous batching)",

@@ -49,15 +49,18 @@ def _linear(key, lin: Linear, cfg: ModelConfig) -> Linear:
 
 
 def device_params(cfg: ModelConfig, shardings, seed: int = 0):
-    """The weight tree of `cfg`, each array created sharded on its devices by one jitted program per leaf."""
+    """The weight tree of `cfg`, each array created sharded on its devices by one jitted program per distinct
+    (tensor description, sharding): the layers' identical tensors share one compiled program."""
     tree = describe(cfg)
     nodes, treedef = jax.tree.flatten(tree, is_leaf=lambda x: is_info(x) or isinstance(x, Linear))
     shard_nodes = treedef.flatten_up_to(shardings)
     keys = jax.random.split(jax.random.key(seed), len(nodes))
+    programs = {}
     out = []
     for key, node, sh in zip(keys, nodes, shard_nodes):
-        if isinstance(node, Linear):
-            out.append(jax.jit(lambda k, node=node: _linear(k, node, cfg), out_shardings=sh)(key))
-        else:
-            out.append(jax.jit(lambda k, node=node: _dense(k, node, cfg), out_shardings=sh)(key))
+        make = _linear if isinstance(node, Linear) else _dense
+        sig = (repr(node), repr(sh))
+        if sig not in programs:
+            programs[sig] = jax.jit(lambda k, node=node, make=make: make(k, node, cfg), out_shardings=sh)
+        out.append(programs[sig](key))
     return treedef.unflatten(out)

@@ -20,7 +20,8 @@ import numpy as np
 
 from dsjax import kernel_choice
 from dsjax.bench.device_weights import device_params
-from dsjax.bench.mesh_steps import slice_config, state_at, timed
+from dsjax.bench.mesh_steps import timed
+from dsjax.bench.slices import slice_config, state_at
 from dsjax.bench.report import write_report
 from dsjax.model import forward_chunk
 

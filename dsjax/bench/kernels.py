@@ -26,39 +26,10 @@ import numpy as np
 
 from dsjax import kv_rows, quant
 from dsjax.bench.report import run_info
+from dsjax.bench.roofline import torch_roofline
 from dsjax.kernels import indexer_topk, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
 from dsjax.weights import Linear
-
-
-def torch_roofline() -> dict:
-    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s through torch, this run."""
-    try:
-        import torch
-    except ImportError:
-        return {"copy_GBps": None, "matmul_TFLOPs": None, "note": "torch not installed"}
-    src = torch.empty(2 ** 32, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-
-    def mean_ms(fn, n=10):
-        for _ in range(3):
-            fn()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e) / n
-
-    copy_ms = mean_ms(lambda: dst.copy_(src))
-    mm_ms = mean_ms(lambda: a @ b)
-    out = {"copy_GBps": 2 * src.numel() / copy_ms / 1e6, "matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
-    del src, dst, a, b
-    torch.cuda.empty_cache()
-    return out
 
 
 def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:

@@ -11,7 +11,6 @@ loop; ms/step). The TP>1 logits and greedy tokens are compared with TP=1's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -22,24 +21,10 @@ import numpy as np
 from dsjax import sharding
 from dsjax.bench.device_weights import device_params
 from dsjax.bench.report import write_report
-from dsjax.config import preset
+from dsjax.bench.slices import slice_config, state_at
 from dsjax.model import forward_chunk
 from dsjax.state import init_state
 from dsjax.weights import nbytes
-
-
-def slice_config(layers: int, experts: int):
-    """V4-Flash with `layers` layers cycling window / CSA / HCA kinds and `experts` routed experts."""
-    kinds = (0, 4, 128)
-    ratios = tuple(kinds[i % 3] for i in range(layers)) + (0,)
-    cfg = preset("v4-flash", n_layers=layers, compress_ratios=ratios, n_routed_experts=experts,
-                 n_hash_layers=min(3, layers))
-    return cfg.replace(name=f"v4-flash-slice{layers}x{experts}")
-
-
-def state_at(cfg, batch: int, max_seq: int, position: int):
-    """Empty caches for `batch` rows, every row at `position`: steps timed as if deep into a context."""
-    return dataclasses.replace(init_state(cfg, batch, max_seq), lengths=jnp.full((batch,), position, jnp.int32))
 
 
 def timed(fn, *args, repeats: int = 3):

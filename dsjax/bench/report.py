@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
+import shlex
+import sys
 
 import jax
 
 
-def run_info(name: str, argv) -> dict:
-    """Where and how a benchmark ran: name, machine, versions, date, command."""
+def run_info(name: str, argv=None) -> dict:
+    """Where and how a benchmark ran: name, machine, versions, date, command (`argv` None: this process's own
+    command line, e.g. `dsjax bench repro ...`)."""
+    prog = os.path.basename(sys.argv[0])
+    if prog.endswith(".py"):  # run as `python -m dsjax.bench.<module>`
+        prog = "python -m dsjax.bench." + prog[:-3]
+    command = (f"python -m dsjax.bench.{name} " + " ".join(argv) if argv is not None
+               else " ".join([prog, shlex.join(sys.argv[1:])]))
     return {"benchmark": name, "machine": f"{jax.devices()[0].device_kind} x{len(jax.devices())}",
             "jax": jax.__version__, "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-            "command": f"python -m dsjax.bench.{name} " + " ".join(argv)}
+            "command": command}
 
 
 def write_report(name: str, argv, out: str | None, **fields) -> dict:

@@ -1,0 +1,98 @@
+"""Layer slices of V4-Flash: the real layer shapes and formats with fewer layers (and, optionally, experts), so
+one GPU can time what the full model does per layer.
+
+`--model slice:v4-flash[:LAYERS[:EXPERTS]]` names one. `pattern="model"` takes the model's own first LAYERS
+layers (two window layers, then CSA/HCA alternating; hash-routed first three), so the layers a longer slice adds
+are the ones the full model repeats and a linear fit over two depths extrapolates to the full depth;
+`pattern="cycle"` cycles window / CSA / HCA (every kind in three layers, for kernel comparisons).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ModelConfig, preset
+from dsjax.errors import ConfigError
+from dsjax.state import init_state
+
+SLICE_FAMILIES = {"v4-flash": "v4-flash", "tiny-v4": "tiny-v4"}  # tiny-v4: CPU tests of the same path
+DEFAULT_SLICE_LAYERS = 8
+
+
+def slice_config(layers: int, experts: int = 256, *, family: str = "v4-flash", pattern: str = "cycle"
+                 ) -> ModelConfig:
+    """V4-Flash with `layers` layers (kinds per `pattern`) and `experts` routed experts."""
+    if family not in SLICE_FAMILIES:
+        raise ConfigError(f"no layer slice for {family!r}; slices exist for {', '.join(SLICE_FAMILIES)}")
+    full = preset(SLICE_FAMILIES[family])
+    if not 1 <= layers <= full.n_layers:
+        raise ConfigError(f"a {family} slice has 1..{full.n_layers} layers, got {layers}")
+    if not 1 <= experts or experts < full.n_activated_experts:
+        raise ConfigError(f"a slice needs at least {full.n_activated_experts} experts (top-k), got {experts}")
+    if pattern == "model":
+        ratios = full.compress_ratios[:layers] + full.compress_ratios[full.n_layers:]
+    elif pattern == "cycle":
+        kinds = (0, 4, 128)
+        ratios = tuple(kinds[i % 3] for i in range(layers)) + full.compress_ratios[full.n_layers:]
+    else:
+        raise ConfigError(f"slice pattern must be 'model' or 'cycle', got {pattern!r}")
+    cfg = preset(SLICE_FAMILIES[family], n_layers=layers, compress_ratios=ratios, n_routed_experts=experts,
+                 n_hash_layers=min(full.n_hash_layers, layers))
+    return cfg.replace(name=f"{family}-slice{layers}x{experts}" + ("" if pattern == "model" else "-cycle"))
+
+
+def parse_slice(spec: str) -> tuple[str, int, int]:
+    """'slice:v4-flash[:LAYERS[:EXPERTS]]' -> (family, layers, experts)."""
+    parts = spec.split(":")
+    if parts[0] != "slice" or len(parts) < 2 or len(parts) > 4:
+        raise ConfigError(f"expected slice:FAMILY[:LAYERS[:EXPERTS]], got {spec!r}")
+    try:
+        layers = int(parts[2]) if len(parts) > 2 else DEFAULT_SLICE_LAYERS
+        experts = int(parts[3]) if len(parts) > 3 else preset(SLICE_FAMILIES.get(parts[1], "v4-flash")).n_routed_experts
+    except ValueError:
+        raise ConfigError(f"slice layers and experts must be integers, got {spec!r}") from None
+    return parts[1], layers, experts
+
+
+def full_config(cfg: ModelConfig) -> ModelConfig:
+    """The full model a slice stands for."""
+    return preset(cfg.name.split("-slice")[0])
+
+
+def slice_model(spec: str, *, kernels: str = "auto", max_seq_len: int = 8192, max_batch: int = 1, seed: int = 0):
+    """A `dsjax.Model` of a layer slice with random weights drawn on the first device."""
+    from dsjax import sharding
+    from dsjax.api import Model, enable_compilation_cache
+    from dsjax.bench.device_weights import device_params
+
+    enable_compilation_cache()
+    family, layers, experts = parse_slice(spec)
+    cfg = slice_config(layers, experts, family=family, pattern="model").replace(kernels=kernels)
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # plain single-device arrays, like dsjax.load's
+    params = device_params(cfg, jax.tree.map(lambda _: one, sharding.param_shardings(cfg, mesh)), seed=seed)
+    return Model(cfg, params, source=f"{spec} ({cfg.name}, random weights drawn on the device, seed {seed})",
+                 max_seq_len=max_seq_len, max_batch=max_batch)
+
+
+def state_at(cfg: ModelConfig, batch: int, max_seq: int, position: int, *, with_mtp: bool = False):
+    """Empty caches for `batch` rows, every row at `position`: steps timed as if deep into a context (every
+    kernel reads the entries a real context that long would have; only their values differ)."""
+    return dataclasses.replace(init_state(cfg, batch, max_seq, with_mtp=with_mtp),
+                               lengths=jnp.full((batch,), position, jnp.int32))
+
+
+def shallower(model, layers: int):
+    """The slice's first `layers` layers as a Model sharing its weights (no copy): a second depth for the
+    per-layer difference."""
+    from dsjax.api import Model
+
+    cfg = model.cfg
+    family = cfg.name.split("-slice")[0]
+    sub = slice_config(layers, cfg.n_routed_experts, family=family, pattern="model").replace(kernels=cfg.kernels)
+    return Model(sub, dataclasses.replace(model.params, layers=model.params.layers[:layers]),
+                 source=f"first {layers} layers of {model.source}", max_seq_len=model.max_seq_len,
+                 max_batch=model.max_batch)

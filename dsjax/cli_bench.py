@@ -1,0 +1,27 @@
+"""`dsjax bench ...`: the benchmark scripts as subcommands. Every one prints and saves a JSON report with its
+command, machine, versions and date; none is a timed test."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "repro": ("dsjax.bench.repro", "the rival's Tetris run: one streamed greedy request, median of runs"),
+    "ablate": ("dsjax.bench.ablate", "step time vs kernels, draft length, steps per dispatch, context, batch; "
+                                     "the layer-slice proxy beside the roofline"),
+    "prefill": ("dsjax.bench.prefill", "prompt tokens/s and MFU at 8k-128k on a layer slice; the 1M projection"),
+    "peer": ("dsjax.bench.peer", "transformers' DeepseekV4ForCausalLM and dsjax on the same GPU and weights"),
+}
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (GPU): repro, ablate, prefill, peer",
+                           description="Benchmarks. Each prints and saves a JSON report with its method.")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, text) in BENCHES.items():
+        mod = importlib.import_module(module)
+        p = kinds.add_parser(name, help=text, description=mod.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_args(p)
+        p.set_defaults(func=mod.run)

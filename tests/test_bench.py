@@ -1,0 +1,111 @@
+"""Benchmark plumbing on CPU (no timings are asserted: benchmarks are scripts, never timed tests): the roofline's
+byte and FLOP accounting against the spec's worked numbers, the forced-acceptance pattern, the generation-loop rig,
+`dsjax bench repro` end to end on a tiny slice, and the ablation tables and plots from a report."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dsjax.bench import ablate, roofline
+from dsjax.bench.slices import parse_slice, slice_config
+from dsjax.bench.step_loop import simulated_pattern, time_loop
+from dsjax.config import preset
+from dsjax.errors import ConfigError
+
+
+def test_step_bytes_match_the_worked_example():
+    # specdec-and-perf.md §3.2: a V4-Flash expert is 3 x 4096 x 2048 x 4.25 bit = 13.4 MB; routed bytes per token
+    # 6 x 43 x 13.4 MB = 3.45 GB; a verify of 6 tokens touches U = 34.0 experts per layer (19.5 GB routed)
+    cfg = preset("v4-flash")
+    one = roofline.step_bytes(cfg, batch=1, T=1, ctx=5000)
+    six = roofline.step_bytes(cfg, batch=1, T=6, ctx=5000, k_draft=5)
+    assert one["routed_experts"] == pytest.approx(3.45e9, rel=0.01)
+    assert roofline.unique_experts(cfg, 6) == pytest.approx(34.0, abs=0.05)
+    assert six["routed_experts"] == pytest.approx(19.5e9, rel=0.01)
+    # the draft: 5 LM-head reads (1.06 GB each) plus the MTP block's weights
+    assert six["draft"] > 5 * cfg.vocab_size * cfg.dim * 2
+    assert one["draft"] == 0 and one["kv"] < six["kv"]
+    # 5k context is ~3.5 KB/token of KV per sequence (§3.2: "~18 MB"), read in full only by HCA / the indexer
+    assert 5e6 < one["kv"] < 30e6
+
+
+def test_flops_per_token_match_the_spec_estimates():
+    # §6.2: short prompts ~26 GFLOP/token, a 1M prompt ~80 GFLOP/token on average
+    cfg = preset("v4-flash")
+    assert 24e9 < roofline.flops_per_token(cfg, 4096) < 32e9
+    assert 70e9 < roofline.flops_per_token(cfg, 2 ** 19) < 95e9
+
+
+def test_floor_adds_all_reduces_only_with_tensor_parallelism():
+    assert roofline.floor_ms(4.3e9, 4300.0) == pytest.approx(1.0)
+    assert roofline.floor_ms(8.6e9, 4300.0, tp=2, all_reduces=100) == pytest.approx(1.0 + 0.5)
+    assert roofline.floor_ms(1e9, None) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_simulated_pattern_has_the_requested_mean(k):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    print("seed", seed)
+    for al in np.random.default_rng(seed).uniform(1.0, k + 1.0, 20):
+        pat = simulated_pattern(float(al), k)
+        assert all(0 <= a <= k for a in pat)
+        assert abs(np.mean(pat) + 1 - al) <= 0.05 + 1e-9, (al, pat)
+
+
+def test_slice_specs_and_configs():
+    assert parse_slice("slice:v4-flash") == ("v4-flash", 8, 256)
+    assert parse_slice("slice:v4-flash:6:64") == ("v4-flash", 6, 64)
+    cfg = slice_config(6, 64, pattern="model")
+    full = preset("v4-flash")
+    assert cfg.compress_ratios == full.compress_ratios[:6] + (0,)   # the model's own first layers + the MTP's
+    assert cfg.n_hash_layers == 3 and cfg.n_routed_experts == 64 and cfg.dim == full.dim
+    assert slice_config(3).compress_ratios[:3] == (0, 4, 128)
+    for bad in ("slice:v4-flash:x", "slice", "slice:v4-flash:99", "slice:nope:2"):
+        with pytest.raises(ConfigError):
+            slice_config(*parse_slice(bad)[1:], family=parse_slice(bad)[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_slice():
+    from dsjax.bench.slices import slice_model
+    return slice_model("slice:tiny-v4:2", max_seq_len=512)
+
+
+def test_loop_rig_commits_the_forced_acceptance(tiny_slice):
+    r = time_loop(tiny_slice, batch=2, ctx=40, k=1, acceptance_length=2.0, steps=4, steps_per_dispatch=2)
+    assert r["steps"] == 4 and r["acceptance"] == "simulated"
+    assert r["tokens_per_step_per_row"] == 2.0      # every draft forced in: k + 1 tokens per step per row
+    assert r["ms_per_step"] > 0
+
+
+def test_repro_writes_the_report(tmp_path, tiny_slice):
+    from dsjax.bench import repro
+    from dsjax.cli import build_parser
+
+    out = tmp_path / "repro.json"
+    args = build_parser().parse_args(["bench", "repro", "--model", "slice:tiny-v4:2", "--speculative", "none",
+                                      "--runs", "1", "--max-new-tokens", "6", "--extrapolate-from", "0",
+                                      "--out", str(out)])
+    assert repro.run(args, model=tiny_slice) == 0
+    rep = json.loads(out.read_text())
+    assert rep["output_tokens"] == [6] and len(rep["runs"]) == 2 and rep["runs"][0]["warmup"]
+    assert rep["prompt_ids"][:1] == [0] and len(rep["prompt_sha256"]) == 64
+    assert "first to the last" in rep["tokens_per_s_definition"]
+    assert rep["command"].startswith(("dsjax bench repro", "pytest", "python")) and rep["machine"].startswith("cpu")
+    assert rep["chat"] == {"thinking": False, "family": "v4"}
+
+
+def test_ablation_tables_and_plots(tmp_path):
+    info = {"benchmark": "ablate", "command": "dsjax bench ablate --sweeps k", "machine": "NVIDIA H200 x1",
+            "jax": "0.11.2", "date": "2026-11-30", "model": "slice:v4-flash:4", "config": "v4-flash-slice4x256",
+            "roofline": {"copy_GBps": 4300.0}, "baseline": {}, "sweep": "k", "axis": "k",
+            "points": [{"k": k, "ms_per_step": 3.0 + k, "floor_ms": 0.5 + k / 4, "fraction_of_floor": 0.2,
+                        "tokens_per_s": 100.0, "first_dispatch_s": 20.0} for k in (0, 1, 3, 5)]}
+    (tmp_path / "ablate-k.json").write_text(json.dumps(info))
+    md = ablate.write_tables_and_plots(str(tmp_path))
+    text = open(md).read()
+    assert "| 5 | 8.00 | 1.75 | 20% |" in text and "dsjax bench ablate --sweeps k" in text
+    assert os.path.getsize(tmp_path / "ablate-k.png") > 1000
