@@ -12,7 +12,14 @@ continuous-batching scheduler (installed as dsjax.serving; see docs/serving.md).
     grpc_service.py    Engine (Generate, Abort, GetModelInfo), grpc.health.v1, reflection
     auth.py, metrics.py  API key (constant-time), Prometheus metrics
     server.py          start-up, warm-up, SIGTERM drain; ServerThread for tests and notebooks
-    proto/             engine.proto and its generated stubs
+    kv_layout.py       a state row as bytes (trimmed compressed caches), compat hash
+    kv_store.py        host KV store: one arena of blocks, LRU byte budget, leases, generations
+    kv_ownership.py    Redis ownership hints (Lua claim / compare-and-delete, liveness, HMAC'd conversation ids)
+    kv_peer.py         KvPeer service (Acquire / Pull / Renew / Release) over the host store
+    kv_nixl.py         data path A: NIXL READ of a peer's arena (optional nixl_cu13)
+    kv_handoff.py      where a turn's KV comes from (local / peer / recompute), snapshots and claims
+    kv_bench.py        handoff vs recompute on loopback; bytes per token of the layouts
+    proto/             engine.proto, kvpeer.proto and their generated stubs
 
 Nothing here is imported by the model code (design principle 7).
 """

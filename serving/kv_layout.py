@@ -3,7 +3,9 @@ partial groups, compressed KV and index-key entries, the MTP ring when drafting,
 
 Rows have fixed shapes (max_seq), but only the valid prefix of each compressed cache means anything: entry j of
 a ratio-r cache is valid once the length reaches (j+1)·r. So a snapshot ships each `entries` leaf trimmed to
-floor(n / r) rows and everything else whole; the importer zero-fills the rest. Leaves are raw little-endian
+floor(n / r) rows and everything else whole; the importer zero-fills the rest. The MTP ring (`.mtp`, kept by
+speculative servers) is draft-only state and is not shipped: an importer that drafts starts it empty (its drafts
+are weaker for a while, its tokens are verified and unchanged), so plain and speculative servers share KV. Leaves are raw little-endian
 bytes in a fixed order — no pickle — and a compat hash over the model, the weights and this layout makes a
 server refuse bytes another layout wrote.
 """
@@ -25,12 +27,17 @@ class Leaf:
     dtype: np.dtype
     shape: tuple[int, ...]   # of the row, leading dimension 1
     ratio: int               # > 0: compressed entries (rows along axis 1); 0: shipped whole
+    shipped: bool = True     # False: draft-only state (the MTP ring), zero-filled on import
 
     def rows(self, n_tokens: int) -> int:
+        if not self.shipped:
+            return 0
         return min(n_tokens // self.ratio, self.shape[1]) if self.ratio else self.shape[1]
 
     def nbytes(self, n_tokens: int) -> int:
         per_row = int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
+        if not self.shipped:
+            return 0
         return per_row * self.rows(n_tokens) if self.ratio else int(np.prod(self.shape)) * self.dtype.itemsize
 
 
@@ -44,8 +51,9 @@ class Layout:
         for path, a in flat:
             name = jax.tree_util.keystr(path)
             ratio = max_seq // a.shape[1] if name.endswith(".entries") else 0
-            self.leaves.append(Leaf(name, np.dtype(a.dtype), tuple(a.shape), ratio))
-        spec = repr((FORMAT, identity, max_seq, [(l.path, str(l.dtype), l.shape, l.ratio) for l in self.leaves]))
+            self.leaves.append(Leaf(name, np.dtype(a.dtype), tuple(a.shape), ratio, not name.startswith(".mtp")))
+        spec = repr((FORMAT, identity, max_seq, [(l.path, str(l.dtype), l.shape, l.ratio) for l in self.leaves
+                                                 if l.shipped]))
         self.compat = hashlib.sha256(spec.encode()).hexdigest()[:32]
 
     def nbytes(self, n_tokens: int) -> int:
@@ -55,6 +63,8 @@ class Layout:
         """Host numpy pieces (uint8, in order) of a row holding n_tokens."""
         out = []
         for leaf, a in zip(self.leaves, jax.tree.leaves(row)):
+            if not leaf.shipped:
+                continue
             a = np.asarray(a)
             if leaf.ratio:
                 a = a[:, :leaf.rows(n_tokens)]
@@ -72,7 +82,7 @@ class Layout:
             n = leaf.nbytes(n_tokens)
             part = np.frombuffer(data[at:at + n], dtype=leaf.dtype)
             at += n
-            if leaf.ratio:
+            if leaf.ratio or not leaf.shipped:
                 full = np.zeros(leaf.shape, leaf.dtype)
                 full[:, :leaf.rows(n_tokens)] = part.reshape((1, leaf.rows(n_tokens)) + leaf.shape[2:])
                 part = full

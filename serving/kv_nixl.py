@@ -6,6 +6,10 @@ Both buffers are registered once at start-up and never deregistered while the se
 never point at unmapped memory; the bytes are still verified (digest, generation) before import, because a
 transport-level DONE does not prove the owner did not reuse the memory (serving-kv-handoff.md §2.1). Agent
 metadata travels over the authenticated KvPeer call, never through NIXL's 0.0.0.0 listener, never pickled.
+
+NIXL's own progress thread spins a core (measured: ~0.8 core per idle agent), so it is off: the puller progresses
+its READ by polling it, and the owner — whose progress a GET emulated over TCP needs — polls only while one of
+its NIXL leases lives (`progress_while`).
 """
 
 from __future__ import annotations
@@ -30,15 +34,35 @@ class NixlError(RuntimeError):
 
 class NixlEndpoint:
     def __init__(self, name: str, arena: np.ndarray, recv_bytes: int):
-        from nixl_cu13._api import nixl_agent, nixl_agent_config
+        from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.name = name
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False,
+                                                        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self.arena, self.recv = arena, np.zeros(recv_bytes, np.uint8)
         for buf in (arena, self.recv):
             self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
         self._peers: dict[str, bytes] = {}
         self._lock = threading.Lock()  # one READ at a time into the receive buffer
+        self._serving: list = []       # owner side: predicates "a NIXL lease still lives"
+        self._serving_lock = threading.Lock()
+
+    def progress_while(self, alive) -> None:
+        """Owner side: drive this agent's progress (every ~1 ms) until `alive()` is false for every caller."""
+        with self._serving_lock:
+            self._serving.append(alive)
+            if len(self._serving) > 1:
+                return
+        threading.Thread(target=self._progress, name="dsjax-nixl-progress", daemon=True).start()
+
+    def _progress(self) -> None:
+        while True:
+            with self._serving_lock:
+                self._serving = [alive for alive in self._serving if alive()]
+                if not self._serving:
+                    return
+            self.agent.get_new_notifs()  # progresses the UCX worker (no progress thread)
+            time.sleep(0.001)
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()

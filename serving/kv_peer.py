@@ -45,6 +45,7 @@ class KvPeerServicer(pb_grpc.KvPeerServicer):
                                  chunk_size=self.chunk, digest=snap.digest, boot_id=self.boot_id,
                                  compat=self.layout.compat)
         if self.nixl is not None and request.nixl_agent:
+            self.nixl.progress_while(lambda: self.store.lease(lease.id) is not None)
             out.nixl.CopyFrom(pb.NixlPath(agent=self.nixl.name, metadata=self.nixl.metadata(), segments=[
                 pb.Segment(addr=a, len=n) for a, n in self.store.segments(snap)]))
         return out

@@ -139,7 +139,7 @@ def _kv_handoff(cfg: ServeConfig, model, engine, metrics):
     from dsjax.serving.prefix_cache import take_row
 
     template = jax.eval_shape(take_row, engine.state, jnp.int32(0))
-    layout = Layout(template, engine.max_seq, f"{model.cfg!r}|{model.source}|spec={engine.k}")
+    layout = Layout(template, engine.max_seq, f"{model.cfg!r}|{model.source}")
     store = HostKvStore(cfg.kv_store_bytes)
     nixl = None
     if cfg.kv_transport == "nixl" and not kv_nixl.available():

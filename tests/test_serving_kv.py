@@ -1,7 +1,8 @@
-"""Cross-server KV handoff with real processes: one `redis-server`, a `dsjax serve` process (A) and a server in
-this test process (B, on the same weights and engine shapes as tests/test_serving.py's, so its programs are the
-ones that module compiled; it runs after it in the same worker). Every hop is real: HTTP and gRPC on 127.0.0.1,
-Redis, the KvPeer service with the cluster token, NIXL (UCX over TCP on lo) when nixl_cu13 is installed.
+"""Cross-server KV handoff with real processes: one `redis-server`, a plain `dsjax serve` process (A) and a server
+in this test process that decodes with MTP drafts (B, `speculative_config`; it compiles while A does). Every hop
+is real: HTTP and gRPC on 127.0.0.1, Redis, the KvPeer service with the cluster token, NIXL (UCX over TCP on lo)
+when nixl_cu13 is installed. A speculative and a plain server share KV (the MTP ring is not shipped), and B's
+speculative greedy output equals A's plain greedy output.
 
 Turn 1 of a conversation runs on A; turn 2 lands on B, which finds A in Redis, pulls the snapshot, skips the
 prefill of the reused prefix (cached_tokens, kv_source counters) and answers token for token what a recompute
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.xdist_group("serving")
 KEY, TOKEN = "kv-test-key", "cluster-token-0123456789abcdef"
 OFF = {"thinking": {"type": "disabled"}}
 ENGINE = dict(numerics="transformers", max_num_seqs=4, max_model_len=128, prefill_chunk=32, steps_per_dispatch=16,
-              max_logprobs=5)  # tests/test_serving.py's shapes
+              max_logprobs=5)
 CHUNK = 32 << 10
 
 
@@ -50,7 +51,8 @@ def cluster():
             model = dsjax.load("tiny-v4", numerics="transformers", max_seq_len=128, max_batch=4, compilation_cache=None)
             cfg = ServeConfig(model="tiny-v4", port=0, grpc_port=0, api_key=KEY, compilation_cache="none",
                               redis_url=redis.url, server_id="B", kv_peer_port=0, cluster_token=TOKEN,
-                              kv_store_bytes=16 << 20, **ENGINE)
+                              kv_store_bytes=16 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                              **ENGINE)
             t0 = time.perf_counter()
             b = ServerThread(cfg, build(cfg, model=model)).start(timeout=300)
             a.wait_ready()
@@ -144,6 +146,40 @@ def test_turn_two_on_another_server_pulls_and_matches_recompute(cluster):
         done = [r.complete for r in pb_grpc.EngineStub(ch).Generate(req, metadata=(("x-api-key", KEY),), timeout=120)
                 if r.WhichOneof("response") == "complete"][0]
     assert done.kv_source == "peer" and done.usage.cached_tokens > cached
+
+
+def test_speculative_serving_equals_plain_greedy(cluster):
+    """5 concurrent greedy requests over 4 slots on B (MTP drafts, 2 per step) == A's plain greedy; acceptance
+    length and draft counts in B's /metrics; penalties and top_logprobs refused by name there."""
+    import concurrent.futures
+
+    import httpx2 as httpx
+    import numpy as np
+
+    _, a, b = cluster
+    rng = np.random.default_rng(1)
+    prompts = [[0] + rng.integers(3, 120_000, size=int(rng.integers(16, 32))).tolist() for _ in range(5)]
+
+    def one(server, p):
+        import openai
+        client = openai.OpenAI(base_url=_url(server) + "/v1", api_key=KEY, timeout=120, max_retries=0)
+        r = client.completions.create(model="tiny-v4", prompt=p, max_tokens=8, temperature=0, logprobs=0,
+                                      extra_body={"stop_token_ids": []})
+        return r.choices[0].logprobs.tokens, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        spec = list(pool.map(lambda p: one(b, p), prompts, timeout=180))
+        plain = list(pool.map(lambda p: one(a, p), prompts, timeout=180))
+    assert spec == plain
+    m = _metrics(b)
+    assert m["dsjax_spec_decode_steps_total"] > 0
+    assert m["dsjax_spec_decode_draft_tokens_total"] == 2 * m["dsjax_spec_decode_steps_total"]
+    assert 1.0 <= m["dsjax_acceptance_length"] <= 3.0
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        for field, value in (("frequency_penalty", 1.0), ("logit_bias", {"5": 1}), ("top_logprobs", 2)):
+            body = {"model": "tiny-v4", "messages": [{"role": "user", "content": "x"}], field: value, "logprobs": True}
+            r = c.post(_url(b) + "/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_faults_end_in_correct_tokens(cluster):
