@@ -48,7 +48,7 @@ class NixlEndpoint:
         self._serving_lock = threading.Lock()
 
     def progress_while(self, alive) -> None:
-        """Owner side: drive this agent's progress (every ~1 ms) until `alive()` is false for every caller."""
+        """Owner side: drive this agent's progress (every ~50 µs) until `alive()` is false for every caller."""
         with self._serving_lock:
             self._serving.append(alive)
             if len(self._serving) > 1:
@@ -62,7 +62,7 @@ class NixlEndpoint:
                 if not self._serving:
                     return
             self.agent.get_new_notifs()  # progresses the UCX worker (no progress thread)
-            time.sleep(0.001)
+            time.sleep(0.00005)
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()

@@ -24,7 +24,7 @@ from dsjax.serving.config import ServeConfig
 from dsjax.serving.server import ServerThread, build
 from kv_cluster import Redis, ServeProcess, _wait
 
-pytestmark = pytest.mark.xdist_group("serving")
+pytestmark = pytest.mark.xdist_group("serving_kv")  # its own worker: it shares no compiled program with test_serving
 
 KEY, TOKEN = "kv-test-key", "cluster-token-0123456789abcdef"
 OFF = {"thinking": {"type": "disabled"}}
