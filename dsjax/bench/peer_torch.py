@@ -15,7 +15,12 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 import time
+
+# run as a script, this folder would come first on sys.path and its kernels.py would shadow the `kernels`
+# package transformers imports
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 def _layout():
