@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
-from dsjax.layers.csa2 import attention41
+from dsjax.layers.csa2 import attention41, commit_layer41
 from dsjax.layers.engram import engram, hash_ids, next_history
 from dsjax.layers.hyper_connections import _mixes, hc_post, sinkhorn_split
 from dsjax.layers.moe import moe
@@ -35,8 +35,10 @@ def collapse(h, pre):
     return round_to(sum_in_order(materialize(pre[..., None] * h.astype(jnp.float32)), axis=-2), h.dtype)
 
 
-def block41(h, pre_mix, token_ids, w: Block41, cfg: ModelConfig, layer: int, st, shared: dict, start, n_valid):
-    """One V4.1 block. Returns (h [b,t,n,D], pre_mix for the next block, new layer state)."""
+def block41(h, pre_mix, token_ids, w: Block41, cfg: ModelConfig, layer: int, st, shared: dict, start, n_valid,
+            attention=attention41):
+    """One V4.1 block. Returns (h [b,t,n,D], pre_mix for the next block, new layer state). `attention` has
+    attention41's signature (the DSpark stages pass their block attention)."""
     def attn_input(h, pre_mix):
         pre, post, comb = mixes(h, w.hc_attn, cfg)
         return rms_norm(collapse(h, pre_mix), w.attn_norm, cfg.norm_eps), pre, post, comb
@@ -48,7 +50,7 @@ def block41(h, pre_mix, token_ids, w: Block41, cfg: ModelConfig, layer: int, st,
         return hc_post(y, h, post, comb), ffn_pre
 
     x, attn_pre, post, comb = per_token(cfg, attn_input, h, pre_mix)
-    x, st = attention41(x, w.attn, cfg, layer, st, shared, start, n_valid)
+    x, st = attention(x, w.attn, cfg, layer, st, shared, start, n_valid)
     out, ffn_pre = per_token(cfg, ffn_part, x, h, post, comb, attn_pre, token_ids)
     return out, ffn_pre, st
 
@@ -62,13 +64,20 @@ def embed41(params: Model41, cfg: ModelConfig, token_ids):
     return h, pre_mix
 
 
+def stream_mean(h):
+    """The mean of the n streams [b,s,n,D] -> [b,s,D] in h's dtype (fp32 sum; /n exact for n = 4)."""
+    return round_to(sum_in_order(h.astype(jnp.float32), axis=-2) / h.shape[-2], h.dtype)
+
+
 def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State41, n_valid=None, *,
-                     teacher=None, collect=False):
+                     teacher=None, collect=False, record: dict | None = None):
     """token_ids [B,T] at positions state.lengths[b]+t -> (final collapsed stream y [B,T,D], new state).
 
     `teacher` = (h_in [L,B,T,n,D], pre_in [L,B,T,n], use bool [L]) replaces block l's input (h, pre_mix) by
     (h_in[l], pre_in[l]) where use[l] (teacher forcing from saved block outputs; traced, so one compile serves
-    every choice); `collect` also returns every block's (h, pre_mix) output, stacked."""
+    every choice); `collect` also returns every block's (h, pre_mix) output, stacked. `record` (a dict) receives
+    "pending" (each layer's inputs for `commit_chunk41`) and "taps" [B,T,len(targets)*D]: the stream mean at the
+    input of each DSpark target layer (after its Engram), the draft's conditioning."""
     B, T = token_ids.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths
@@ -78,7 +87,7 @@ def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State4
     last_source = max(sources) if sources else None
     shared = {"sources": sources, "topk": None, "candidates": None,
               "index_keys": sources[last_source].index_keys if sources else None}
-    layers, outputs = [], []
+    layers, outputs, taps = [], [], []
     for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
         with jax.named_scope(f"layer{layer}"):
             if teacher is not None:
@@ -88,25 +97,41 @@ def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State4
             if w.engram is not None:
                 k = cfg.engram_layer_ids.index(layer)
                 h = per_token(cfg, lambda h, ids: engram(h, ids, w.engram, cfg), h, row_ids[:, :, k])
+            if layer in cfg.dspark_target_layer_ids:
+                taps.append(per_token(cfg, stream_mean, h))
             h, pre_mix, st = block41(h, pre_mix, token_ids, w, cfg, layer, st, shared, start, n_valid)
         layers.append(st)
         outputs.append((h, pre_mix))
     history = next_history(state.engram_history, token_ids, n_valid)
     new = State41(lengths=start + n_valid, layers=tuple(layers), engram_history=history)
     y = per_token(cfg, collapse, h, pre_mix)
+    if record is not None:
+        record["pending"] = tuple(shared["pending"])
+        record["taps"] = jnp.concatenate(taps, axis=-1) if taps else None
     if collect:
         return y, new, (jnp.stack([o[0] for o in outputs]), jnp.stack([o[1] for o in outputs]))
     return y, new
 
 
-def head_logits41(y, params: Model41, cfg: ModelConfig):
-    """RMSNorm -> fp32 head (the reference keeps the head weight in fp32). y [b,s,D] -> [b,s,V] float32."""
+def head_logits41(y, params: Model41, cfg: ModelConfig, norm_w=None):
+    """RMSNorm (the model's, or `norm_w`: the last DSpark stage's) -> fp32 head (the reference keeps the head
+    weight in fp32). y [b,s,D] -> [b,s,V] float32."""
     def head(y):
-        y = rms_norm(y, params.norm, cfg.norm_eps)
+        y = rms_norm(y, params.norm if norm_w is None else norm_w, cfg.norm_eps)
         return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)
 
     return per_token(cfg, head, y)
+
+
+def commit_chunk41(params: Model41, cfg: ModelConfig, state: State41, pendings, token_ids, n_valid) -> State41:
+    """The state after only the first n_valid[b] tokens of a chunk run on `state` (`record["pending"]` of that
+    forward): every layer's window and source via `commit_layer41`, and the Engram token history."""
+    start = state.lengths
+    layers = tuple(commit_layer41(x, kv, w.attn, cfg, layer, st, start, n_valid)
+                   for layer, (w, st, (x, kv)) in enumerate(zip(params.layers, state.layers, pendings)))
+    history = next_history(state.engram_history, token_ids, n_valid)
+    return State41(lengths=start + n_valid, layers=layers, engram_history=history)
 
 
 def forward_chunk41(params: Model41, cfg: ModelConfig, token_ids, state: State41, n_valid=None):

@@ -153,7 +153,7 @@ def select_topk(scores, visible, k: int):
 def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState41, shared: dict, start, n_valid):
     """One V4.1 attention sub-layer over a chunk. x [B,T,D] (normed) at positions start[b]+t, the first n_valid[b]
     real. `shared` carries what earlier layers of this forward published ("sources": new SourceState41 by layer;
-    "topk": the last index source's picks; "candidates"; "index_keys": the reference's index-key pointer).
+    "topk": the last index source's picks; "candidates"; "index_keys": the reference's index-key pointer) and collects "pending": each layer's (x, stored window KV).
     Returns (out [B,T,D], new layer state)."""
     B, T, _ = x.shape
     q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -166,6 +166,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
 
     q, kv, iq = per_token(cfg, projections, x, angles)
     kv = v41_rows.store_window(kv, cfg)
+    shared.setdefault("pending", []).append((x, kv))  # what `commit_layer41` needs to commit a shorter prefix
     keys, valid = window_keys(st.window, kv, start, cfg.window_size)
     keys = v41_rows.load_window(keys, cfg)
     new = LayerState41(window=update_ring(st.window, kv, start, n_valid), source=st.source)
@@ -200,6 +201,16 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
 
     return per_token(cfg, attend, q, keys, valid, angles), new
+
+
+def commit_layer41(x, kv, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState41, start, n_valid) -> LayerState41:
+    """The layer state after only the first n_valid[b] tokens of a chunk (x its normed attention input, kv its
+    stored window KV): a verify block attends to all its tokens, then commits the accepted ones; rejected
+    positions leave no trace in the window ring, the open compressor group, the entries or the index keys."""
+    source = st.source
+    if source is not None:
+        source = update_source(x, w, source, cfg, layer, start, n_valid)
+    return LayerState41(window=update_ring(st.window, kv, start, n_valid), source=source)
 
 
 def _publish_index_keys(shared: dict, source: SourceState41, start, n_valid, ratio: int) -> None:
