@@ -20,6 +20,8 @@ from dsjax.decode import LoopCarry, decode_steps, finish_flags, record
 from dsjax.errors import InputError
 from dsjax.model import forward_hidden_chunk, head_logits
 from dsjax.mtp import mtp_hidden
+from dsjax.dspark import init_rings
+from dsjax.dspark_loop import DSparkCarry, dspark_steps, prefill_chunk as dspark_prefill
 from dsjax.speculative import Forced, SpecCarry, spec_steps
 from dsjax.sampling import SamplingParams, make_sampling, sample
 from dsjax.sharding import active_mesh, axis_size, gather_vocab
@@ -46,10 +48,16 @@ class GenerateOptions:
     logprobs: int = 0
     steps_per_dispatch: int = 32
     prefill_chunk: int = 256
-    speculative: str | None = None      # None | "mtp"
-    num_draft_tokens: int = 2
+    speculative: str | None = None      # None | "mtp" | "dspark"
+    num_draft_tokens: int | None = None  # default: 2 (mtp), the DSpark block size (dspark)
+    adaptive_verification: float | None = None  # dspark: verify drafts while sigmoid(confidence) >= this
     forced_acceptance: tuple[int, ...] | None = None  # benchmarks only: accepted drafts per step, "simulated"
-    oracle_drafts: object = None        # tests only: speculative.OracleDrafts replacing the MTP's drafts
+    oracle_drafts: object = None        # tests only: speculative.OracleDrafts replacing the model's drafts
+
+    def draft_tokens(self, cfg: ModelConfig) -> int:
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return cfg.dspark_block_size if self.speculative == "dspark" else 2
 
 
 def _bucket(n: int, lo: int = 16) -> int:
@@ -101,12 +109,23 @@ def validate(cfg: ModelConfig, prompts, opts: GenerateOptions, max_seq: int, max
         raise InputError(f"max_new_tokens must be a positive int, got {opts.max_new_tokens!r}")
     if opts.logprobs < 0 or opts.logprobs > 20:
         raise InputError(f"logprobs must lie in [0, 20], got {opts.logprobs}")
-    if opts.speculative not in (None, "mtp"):
-        raise InputError(f"speculative={opts.speculative!r}: choose None or 'mtp' ('dspark' arrives with V4.1-Flash)")
-    if opts.speculative and not cfg.n_mtp_layers:
-        raise InputError(f"speculative='mtp' needs an MTP head; {cfg.name} has none (n_mtp_layers=0)")
-    if opts.speculative and not 1 <= opts.num_draft_tokens <= 8:
-        raise InputError(f"num_draft_tokens must lie in [1, 8], got {opts.num_draft_tokens}")
+    if opts.speculative not in (None, "mtp", "dspark"):
+        raise InputError(f"speculative={opts.speculative!r}: choose None, 'mtp' or 'dspark'")
+    dspark = cfg.family == "v4.1" and cfg.dspark_block_size > 0
+    if opts.speculative == "mtp" and (not cfg.n_mtp_layers or cfg.family == "v4.1"):
+        raise InputError(f"speculative='mtp' needs an MTP head; {cfg.name} has none"
+                         + (" (V4.1 drafts with speculative='dspark')" if dspark else " (n_mtp_layers=0)"))
+    if opts.speculative == "dspark" and not dspark:
+        raise InputError(f"speculative='dspark' needs a DSpark draft; {cfg.name} has none"
+                         + (" (V4 drafts with speculative='mtp')" if cfg.family != "v4.1" else ""))
+    most = cfg.dspark_block_size if opts.speculative == "dspark" else 8
+    if opts.speculative and not 1 <= opts.draft_tokens(cfg) <= most:
+        raise InputError(f"num_draft_tokens must lie in [1, {most}] for speculative={opts.speculative!r}, "
+                         f"got {opts.num_draft_tokens}")
+    if opts.adaptive_verification is not None and (opts.speculative != "dspark"
+                                                   or not 0.0 <= opts.adaptive_verification <= 1.0):
+        raise InputError("adaptive_verification is a confidence threshold in [0, 1] for speculative='dspark', "
+                         f"got {opts.adaptive_verification!r} with speculative={opts.speculative!r}")
     if opts.speculative and opts.logprobs:
         raise InputError("logprobs with speculative decoding: only the chosen token's logprob is reported; use logprobs=0")
     for t in opts.stop_token_ids:
@@ -136,8 +155,10 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     t0 = time.perf_counter()
     # prefill: fixed-size chunks, every row at its own length
     spec = opts.speculative == "mtp"
+    dspark = opts.speculative == "dspark"
     C = min(opts.prefill_chunk, _bucket(int(lengths.max())))
     state = init_state(cfg, slots, max_seq, with_mtp=spec)
+    rings = init_rings(cfg, slots) if dspark else None
     last_logits = jnp.zeros((slots, cfg.vocab_size), jnp.float32)
     last_h = None
     for start in range(0, int(lengths.max()), C):
@@ -149,14 +170,18 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
             nxt[b, :len(after)] = after
         n_valid = np.clip(lengths - start, 0, C).astype(np.int32)
         n_mtp = np.clip(lengths - 1 - start, 0, C).astype(np.int32)
-        logits, h, state = _prefill_chunk(params, jnp.asarray(chunk), jnp.asarray(nxt), state, jnp.asarray(n_valid),
-                                          jnp.asarray(n_mtp), cfg=cfg, mtp=spec)
+        if dspark:
+            logits, h, state, rings = dspark_prefill(params, jnp.asarray(chunk), state, rings, jnp.asarray(n_valid),
+                                                     cfg=cfg)
+        else:
+            logits, h, state = _prefill_chunk(params, jnp.asarray(chunk), jnp.asarray(nxt), state,
+                                              jnp.asarray(n_valid), jnp.asarray(n_mtp), cfg=cfg, mtp=spec)
         last = jnp.asarray(np.clip(lengths - 1 - start, 0, C - 1))
         here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + C))
         last_logits = jnp.where(here[:, None], logits[jnp.arange(slots), last], last_logits)
-        if spec:
+        if spec or dspark:  # the MTP's streams / DSpark's main_x at the last prompt position
             hl = h[jnp.arange(slots), last]
-            last_h = hl if last_h is None else jnp.where(here[:, None, None], hl, last_h)
+            last_h = hl if last_h is None else jnp.where(here.reshape((-1,) + (1,) * (hl.ndim - 1)), hl, last_h)
     carry = LoopCarry(
         state=state, last=jnp.zeros((slots,), jnp.int32), tokens=jnp.zeros((slots, N), jnp.int32),
         logprob=jnp.zeros((slots, N), jnp.float32), top_ids=jnp.zeros((slots, N, K), jnp.int32),
@@ -176,9 +201,16 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     new, done = emit(carry)
     yield new, done, {"ttft_s": ttft, "decode_s": 0.0, "steps": 0, "carry": carry}
     t1 = time.perf_counter()
+    k = opts.draft_tokens(cfg)
+    K1 = k + 1
+    forced = None if opts.forced_acceptance is None else Forced(jnp.asarray(opts.forced_acceptance, jnp.int32))
+    if dspark:
+        zeros = lambda *shape: jnp.zeros((slots,) + shape, jnp.int32)  # distinct buffers: the carry is donated
+        carry = DSparkCarry(state=carry.state, rings=rings, main_x=last_h, last=carry.last, tokens=carry.tokens,
+                            logprob=carry.logprob, count=carry.count, done=carry.done | (carry.state.lengths + K1 > max_seq),
+                            steps=carry.steps, drafted=zeros(), accepted=zeros(), accepted_at=zeros(k), verified=zeros())
+        adaptive = None if opts.adaptive_verification is None else jnp.float32(opts.adaptive_verification)
     if spec:
-        k = opts.num_draft_tokens
-        K1 = k + 1
         pend_h = jnp.zeros((slots, K1) + last_h.shape[1:], last_h.dtype).at[:, 0].set(last_h)
         pend_tok = jnp.zeros((slots, K1), jnp.int32).at[:, 0].set(carry.tokens[:, 0])
         carry = SpecCarry(state=carry.state, last=carry.last, pend_h=pend_h, pend_tok=pend_tok,
@@ -186,9 +218,11 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
                           count=carry.count, done=carry.done | (carry.state.lengths + K1 > max_seq),
                           steps=carry.steps, drafted=jnp.zeros((slots,), jnp.int32),
                           accepted=jnp.zeros((slots,), jnp.int32), accepted_at=jnp.zeros((slots, k), jnp.int32))
-        forced = None if opts.forced_acceptance is None else Forced(jnp.asarray(opts.forced_acceptance, jnp.int32))
     while not all(done):
-        if spec:
+        if dspark:
+            carry = dspark_steps(params, carry, sp, stop_ids, max_new, forced, opts.oracle_drafts, adaptive, cfg=cfg,
+                                 k=k, max_steps=opts.steps_per_dispatch, max_seq=max_seq)
+        elif spec:
             carry = spec_steps(params, carry, sp, stop_ids, max_new, forced, opts.oracle_drafts, cfg=cfg, k=k,
                                max_steps=opts.steps_per_dispatch, max_seq=max_seq)
         else:
@@ -213,8 +247,9 @@ def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_se
     lp = jax.device_get(carry.logprob)
     top_ids, top_lp = (jax.device_get((carry.top_ids, carry.top_lp)) if isinstance(carry, LoopCarry) else (None, None))
     spec_stats = None
-    if isinstance(carry, SpecCarry):
+    if isinstance(carry, (SpecCarry, DSparkCarry)):
         spec_stats = jax.device_get((carry.drafted, carry.accepted, carry.accepted_at))
+        verified = jax.device_get(carry.verified) if isinstance(carry, DSparkCarry) else spec_stats[0]
     for b in range(B):
         toks = out[b]
         reason = "stop" if toks and toks[-1] in stop else "length"
@@ -227,9 +262,9 @@ def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_se
               "ttft_s": stats.get("ttft_s", 0.0), "decode_s": stats.get("decode_s", 0.0)}
         if spec_stats is not None:
             drafted, accepted, at = (int(spec_stats[0][b]), int(spec_stats[1][b]), spec_stats[2][b])
-            k = opts.num_draft_tokens
+            k = opts.draft_tokens(cfg)
             row_steps = drafted // k if k else 0
-            st.update(drafted=drafted, accepted=accepted, row_steps=row_steps,
+            st.update(drafted=drafted, accepted=accepted, row_steps=row_steps, verified=int(verified[b]),
                       acceptance_length=(len(toks) - 1) / row_steps if row_steps else 1.0,
                       acceptance_per_position=[int(x) / row_steps if row_steps else 0.0 for x in at],
                       simulated=opts.forced_acceptance is not None)

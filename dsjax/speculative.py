@@ -107,8 +107,9 @@ def draft(params, cfg: ModelConfig, carry: SpecCarry, sp: SamplingParams, k: int
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), ring
 
 
-def accept(logits, drafts, qs, sp: SamplingParams, L, forced: Forced | None, step):
-    """Greedy or lossless rejection sampling. Returns (accepted drafts a [B], committed tokens [B,k+1])."""
+def accept(logits, drafts, qs, sp: SamplingParams, L, forced: Forced | None, step, offered=None):
+    """Greedy or lossless rejection sampling. Returns (accepted drafts a [B], committed tokens [B,k+1]).
+    `offered` [B] (default k): only the first offered[b] drafts are verified; after them the target samples."""
     B, K1, V = logits.shape
     k = K1 - 1
     greedy = sp.temperature <= 0
@@ -120,12 +121,16 @@ def accept(logits, drafts, qs, sp: SamplingParams, L, forced: Forced | None, ste
     u = jnp.stack([jax.vmap(lambda kk: jax.random.uniform(kk))(_key(sp, L + 1 + j, _ACCEPT)) for j in range(k)], 1)
     s_ok = jnp.log(u) < p_d - q_d                                                   # u < p/q
     ok = jnp.where(greedy[:, None], g_ok, s_ok)
+    if offered is not None:
+        ok = ok & (jnp.arange(k)[None] < offered[:, None])
+    else:
+        offered = jnp.full((B,), k, jnp.int32)
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)                 # leading accepts
     if forced is not None:
         a = jnp.minimum(forced.pattern[step % forced.pattern.shape[0]], k) * jnp.ones_like(a)
     rows = jnp.arange(B)
     p_a = ps[rows, a]                                                               # target at the first open slot
-    q_a = jnp.where((a < k)[:, None], qs[rows, jnp.minimum(a, k - 1)], -jnp.inf)
+    q_a = jnp.where((a < offered)[:, None], qs[rows, jnp.minimum(a, k - 1)], -jnp.inf)
     resid = jnp.log(jnp.maximum(jnp.exp(p_a) - jnp.exp(q_a), 0.0))                # max(p - q, 0)
     resid = jnp.where(jnp.isfinite(jnp.max(resid, -1, keepdims=True)), resid, p_a)
     sampled = _draw(_key(sp, L + 1 + a, _RESIDUAL), resid)
@@ -133,6 +138,30 @@ def accept(logits, drafts, qs, sp: SamplingParams, L, forced: Forced | None, ste
     out = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
     out = jnp.where(jnp.arange(K1)[None] == a[:, None], bonus[:, None], out)
     return a, out
+
+
+def record_step(carry, out, a, logits, active, stop_ids, max_new):
+    """Cut a step's committed run (out [B,k+1], a accepted drafts) at the first stop id and at the token budget,
+    and record it. Returns (n_out [B], the updated carry fields: tokens, logprob, last, count, done — by stop or
+    budget only —, steps, drafted, accepted, accepted_at). Any carry with those fields works (MTP, DSpark)."""
+    B, K1 = out.shape
+    k = K1 - 1
+    j = jnp.arange(K1)[None]
+    stops = jax.vmap(lambda o: is_stop(o, stop_ids))(out)
+    first_stop = jnp.min(jnp.where(stops & (j <= a[:, None]), j, K1), axis=1)
+    n_out = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), max_new - carry.count)
+    n_out = jnp.where(active, n_out, 0)
+    rows = jnp.arange(B)[:, None]
+    at = jnp.where(j < n_out[:, None], carry.count[:, None] + j, carry.tokens.shape[1])
+    lp = jax.vmap(lambda lg, t: token_logprobs(lg, t, 0)[0], in_axes=1, out_axes=1)(logits, out)
+    count = carry.count + n_out
+    took = jnp.minimum(a, n_out)
+    return n_out, dict(
+        tokens=carry.tokens.at[rows, at].set(out, mode="drop"), logprob=carry.logprob.at[rows, at].set(lp, mode="drop"),
+        last=jnp.where(n_out > 0, out[jnp.arange(B), jnp.maximum(n_out - 1, 0)], carry.last), count=count,
+        done=carry.done | (first_stop < n_out) | (count >= max_new), steps=carry.steps + 1,
+        drafted=carry.drafted + jnp.where(active, k, 0), accepted=carry.accepted + took,
+        accepted_at=carry.accepted_at + (jnp.arange(k)[None] < took[:, None]).astype(jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "max_steps", "max_seq"), donate_argnames=("carry",))
@@ -152,32 +181,13 @@ def spec_steps(params, carry: SpecCarry, sp: SamplingParams, stop_ids, max_new, 
         h, _, pendings = forward_hidden_chunk(params, cfg, chunk, st, jnp.where(active, K1, 0), with_pending=True)
         logits = gather_vocab(head_logits(h, params, cfg, params.hc_head, params.norm), cfg.sharding)  # [B,k+1,V]
         a, out = accept(logits, drafts, qs, sp, L, forced, carry.steps)
-        # cut at the first stop id and at the token budget
-        j = jnp.arange(K1)[None]
-        stops = jax.vmap(lambda o: is_stop(o, stop_ids))(out)
-        first_stop = jnp.min(jnp.where(stops & (j <= a[:, None]), j, K1), axis=1)
-        n_out = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), max_new - carry.count)
-        n_out = jnp.where(active, n_out, 0)
+        n_out, record = record_step(carry, out, a, logits, active, stop_ids, max_new)
         state = commit_chunk(params, cfg, st, pendings, n_out)
         state = dataclasses.replace(state, mtp=(ring,))
-        rows = jnp.arange(out.shape[0])[:, None]
-        at = jnp.where(j < n_out[:, None], carry.count[:, None] + j, carry.tokens.shape[1])
-        lp = jax.vmap(lambda lg, t: token_logprobs(lg, t, 0)[0], in_axes=1, out_axes=1)(logits, out)
-        tokens = carry.tokens.at[rows, at].set(out, mode="drop")
-        logprob = carry.logprob.at[rows, at].set(lp, mode="drop")
-        newest = jnp.where(n_out > 0, out[jnp.arange(out.shape[0]), jnp.maximum(n_out - 1, 0)], carry.last)
-        count = carry.count + n_out
-        stopped = first_stop < n_out
-        done = carry.done | stopped | (count >= max_new) | (state.lengths + K1 > max_seq)
-        took = jnp.minimum(a, n_out)
-        carry = SpecCarry(
-            state=state, last=newest,
+        return dataclasses.replace(
+            carry, state=state, done=record.pop("done") | (state.lengths + K1 > max_seq),
             pend_h=jnp.where((n_out > 0)[:, None, None, None], h.astype(carry.pend_h.dtype), carry.pend_h),
             pend_tok=jnp.where((n_out > 0)[:, None], out, carry.pend_tok),
-            pend_n=jnp.where(n_out > 0, n_out, carry.pend_n),
-            tokens=tokens, logprob=logprob, count=count, done=done, steps=carry.steps + 1,
-            drafted=carry.drafted + jnp.where(active, k, 0), accepted=carry.accepted + took,
-            accepted_at=carry.accepted_at + (jnp.arange(k)[None] < took[:, None]).astype(jnp.int32))
-        return carry
+            pend_n=jnp.where(n_out > 0, n_out, carry.pend_n), **record)
 
     return run_until_done(step, carry, max_steps)
