@@ -85,9 +85,12 @@ def loop_model():
     return dsjax.load("tiny-v4", numerics="transformers", max_seq_len=128, max_batch=4, seed=3)
 
 
-def greedy_by_full_forward(model, prompt, n):
+def greedy_by_full_forward(model, prompt, n, width: int = 64):
+    """Greedy by recomputing the whole sequence each step; one padded width for every prompt (the model is
+    causal: padding after a position does not change its logits), so one compiled forward serves them all."""
     ids = list(prompt)
-    buf = np.zeros((1, len(prompt) + n), np.int32)
+    assert len(prompt) + n <= width
+    buf = np.zeros((1, width), np.int32)
     fn = jax.jit(lambda p, i: forward(p, model.cfg, i))
     for k in range(n):
         buf[0, :len(ids)] = ids
@@ -116,7 +119,8 @@ def test_stop_ids_limits_and_frozen_rows(test_seed):
     # row 1 keeps going (unless it meets the same id) and equals its solo run: row 0 stopping does not touch it
     cut = free[1].tokens.index(stop) + 1 if stop in free[1].tokens else 12
     assert gens[1].tokens == free[1].tokens[:cut]
-    solo = model.generate([prompts[1]], 12, stop_token_ids=[stop])
+    # the same prompt beside a twin instead of beside a row that stops (same shapes: no new compile)
+    solo = model.generate([prompts[1], prompts[1]], 12, stop_token_ids=[stop])
     assert solo[0].tokens == gens[1].tokens
     one = model.generate(prompts, 1, stop_token_ids=[])
     assert [len(g.tokens) for g in one] == [1, 1]
@@ -139,7 +143,8 @@ def test_stream_yields_once_per_dispatch(test_seed):
     prompt = np.random.default_rng(test_seed + 3).integers(2, VOCAB, 12).tolist()
     chunks = list(model.stream([prompt], 10, stop_token_ids=[], steps_per_dispatch=3))
     assert [len(c[0]) for c in chunks] == [1, 3, 3, 3]
-    assert [t for c in chunks for t in c[0]] == model.generate([prompt], 10, stop_token_ids=[])[0].tokens
+    whole = model.generate([prompt], 10, stop_token_ids=[], steps_per_dispatch=3)  # the stream's compiled loop
+    assert [t for c in chunks for t in c[0]] == whole[0].tokens
 
 
 def test_logprobs_are_the_model_distribution(test_seed):
