@@ -34,3 +34,14 @@ def write_report(name: str, argv, out: str | None, **fields) -> dict:
         with open(out, "w") as f:
             f.write(text)
     return report
+
+
+def script_main(module_name: str, argv=None) -> int:
+    """`python -m dsjax.bench.<module>`: the same flags as `dsjax bench <module>` (its add_args / run)."""
+    import argparse
+    import importlib
+
+    mod = importlib.import_module(module_name)
+    p = argparse.ArgumentParser(description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mod.add_args(p)
+    return mod.run(p.parse_args(argv))

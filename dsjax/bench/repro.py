@@ -177,13 +177,7 @@ def extrapolate(model, args, acceptance: float | None) -> dict:
                       "the layers past the slice repeat its CSA/HCA pairs"}
 
 
-def main(argv=None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    return run(p.parse_args(argv))
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dsjax.bench.report import script_main
+
+    raise SystemExit(script_main(__spec__.name))
