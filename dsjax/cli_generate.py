@@ -150,9 +150,11 @@ def add_generation_args(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--thinking", action=__import__("argparse").BooleanOptionalAction, default=False,
                    help="chat prompts end in <think> (reason first) instead of </think> (answer directly; default)")
-    p.add_argument("--speculative", choices=["mtp"], default=None,
-                   help="draft with the model's MTP head and verify k+1 positions per step (greedy output unchanged)")
-    p.add_argument("--draft-tokens", type=int, default=2, help="drafts per step with --speculative (default 2)")
+    p.add_argument("--speculative", choices=["mtp", "dspark"], default=None,
+                   help="draft with the model's MTP head (V4) or its DSpark stages (V4.1) and verify k+1 positions "
+                        "per step (greedy output unchanged)")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="drafts per step with --speculative (default 2 for mtp, the DSpark block size for dspark)")
     p.add_argument("--system", default=None, help="system prompt for --chat / chat")
     p.add_argument("--max-seq-len", type=int, default=None, help="cache length per sequence (default min(4096, model))")
     p.add_argument("--show-special", action="store_true", help="print special tokens such as </think> in the text")

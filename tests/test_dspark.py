@@ -285,3 +285,28 @@ def test_rejection_sampling_with_dspark_drafts_is_lossless(seed):
     _, pval = stats.chisquare(counts[support], N * cells[support] / cells[support].sum())
     print(f"seed {seed}: accepted d1 in {np.mean(a >= 1):.1%}, both in {np.mean(a == 2):.1%}; chi-square p = {pval:.3g}")
     assert 0.05 < np.mean(a >= 1) < 0.95 and pval > 1e-6
+
+
+def test_adaptive_verification_offers_drafts_up_to_the_first_low_confidence(test_seed):
+    """Item 3's rule, on fresh random values: a row verifies drafts before the first position whose
+    sigmoid(confidence) falls below the threshold; drafts past it are never accepted, and the token committed
+    at the first unoffered position is the target's own (greedy), so output stays lossless."""
+    from dsjax.dspark_loop import verify_length
+
+    rng = np.random.default_rng(test_seed)
+    B, k, V = 6, 5, 11
+    conf = jnp.asarray(rng.normal(0, 2, (B, k)), jnp.float32)
+    thr = 0.5
+    want = [next((j for j in range(k) if 1 / (1 + np.exp(-float(c[j]))) < thr), k) for c in np.asarray(conf)]
+    offered = verify_length(conf, thr)
+    assert np.asarray(offered).tolist() == want
+    logits = jnp.asarray(rng.normal(0, 1, (B, k + 1, V)), jnp.float32)
+    y = jnp.argmax(logits, -1).astype(jnp.int32)
+    drafts = y[:, :k]                                   # every draft is the target's choice
+    qs = jnp.log(jax.nn.one_hot(drafts, V) + 1e-30)
+    sp = SamplingParams(jnp.zeros((B,)), jnp.zeros((B,), jnp.int32), jnp.ones((B,)), jnp.zeros((B,)),
+                        jnp.zeros((B, 2), jnp.uint32))
+    a, out = accept(logits, drafts, qs, sp, jnp.zeros((B,), jnp.int32), None, 0, offered)
+    assert np.asarray(a).tolist() == want              # all offered drafts accepted, none past them
+    rows = np.arange(B)
+    assert np.array_equal(np.asarray(out)[rows, want], np.asarray(y)[rows, want])
