@@ -94,7 +94,7 @@ def test_repro_writes_the_report(tmp_path, tiny_slice):
     assert rep["output_tokens"] == [6] and len(rep["runs"]) == 2 and rep["runs"][0]["warmup"]
     assert rep["prompt_ids"][:1] == [0] and len(rep["prompt_sha256"]) == 64
     assert "first to the last" in rep["tokens_per_s_definition"]
-    assert rep["command"].startswith(("dsjax bench repro", "pytest", "python")) and rep["machine"].startswith("cpu")
+    assert rep["command"].strip() and rep["machine"].startswith("cpu")   # this process's command line
     assert rep["chat"] == {"thinking": False, "family": "v4"}
 
 

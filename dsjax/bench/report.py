@@ -15,9 +15,11 @@ import jax
 def run_info(name: str, argv=None) -> dict:
     """Where and how a benchmark ran: name, machine, versions, date, command (`argv` None: this process's own
     command line, e.g. `dsjax bench repro ...`)."""
-    prog = os.path.basename(sys.argv[0])
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     if prog.endswith(".py"):  # run as `python -m dsjax.bench.<module>`
         prog = "python -m dsjax.bench." + prog[:-3]
+    elif prog == "-c":      # python -c ... (e.g. a test worker): no script name to show
+        prog = "python -c"
     command = (f"python -m dsjax.bench.{name} " + " ".join(argv) if argv is not None
                else " ".join([prog, shlex.join(sys.argv[1:])]))
     return {"benchmark": name, "machine": f"{jax.devices()[0].device_kind} x{len(jax.devices())}",
