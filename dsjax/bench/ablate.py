@@ -104,7 +104,7 @@ def proxy(model, roof, args) -> dict:
     """Per-layer decode (k=0) and verify (baseline k) step time from the slice and its first L - proxy_layers
     layers (same weights), and the full model's step extrapolated, beside the full model's roofline."""
     from dsjax.bench.roofline import floor_ms, step_bytes
-    from dsjax.bench.slices import full_config, shallower
+    from dsjax.bench.slices import extrapolate_depth, full_config, shallower
 
     cfg = model.cfg
     L2 = cfg.n_layers
@@ -117,8 +117,7 @@ def proxy(model, roof, args) -> dict:
         for L, m in ((L1, shallow), (L2, model)):
             t[L] = point(m, roof, batch=args.batch, context=args.context, k=k, alpha=args.alpha,
                          steps_per_dispatch=args.steps_per_dispatch, steps=args.steps, kernels=args.kernels)
-        per_layer = (t[L2]["ms_per_step"] - t[L1]["ms_per_step"]) / (L2 - L1)
-        ms_full = t[L2]["ms_per_step"] + (full.n_layers - L2) * per_layer
+        per_layer, ms_full = extrapolate_depth(t[L1]["ms_per_step"], t[L2]["ms_per_step"], L1, L2, full.n_layers)
         b = step_bytes(full, batch=args.batch, T=k + 1, ctx=args.context, k_draft=k)
         fl = floor_ms(b["total"], roof.get("copy_GBps"))
         al = acceptance_length(k, args.alpha) if k else 1.0
@@ -133,8 +132,6 @@ def proxy(model, roof, args) -> dict:
 
 
 def run(args) -> int:
-    import jax
-
     from dsjax.bench.report import run_info
     from dsjax.bench.roofline import torch_roofline
 
@@ -143,7 +140,7 @@ def run(args) -> int:
     if bad:
         print(f"error: unknown sweep(s) {', '.join(bad)}; choose from {', '.join(SWEEPS)}", file=sys.stderr)
         return 2
-    roof = torch_roofline() if jax.default_backend() == "gpu" else {"copy_GBps": None, "matmul_TFLOPs": None}
+    roof = torch_roofline()
     model, _ = _model(args)
     vals = _values(args)
     os.makedirs(args.out_dir, exist_ok=True)

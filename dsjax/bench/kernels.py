@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     head = run_info("kernels", argv)
-    roof = torch_roofline() if jax.default_backend() == "gpu" else {"copy_GBps": None, "matmul_TFLOPs": None}
+    roof = torch_roofline()
     head.update(roof)
     out = open(args.out, "a") if args.out else None
 

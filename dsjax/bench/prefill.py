@@ -55,13 +55,11 @@ def prefill_seconds(model, length: int, chunk: int, seed: int = 0) -> tuple[floa
 
 
 def run(args) -> int:
-    import jax
-
     from dsjax.bench.report import write_report
     from dsjax.bench.roofline import flops_per_token, torch_roofline
-    from dsjax.bench.slices import full_config, shallower, slice_model
+    from dsjax.bench.slices import extrapolate_depth, full_config, shallower, slice_model
 
-    roof = torch_roofline() if jax.default_backend() == "gpu" else {"copy_GBps": None, "matmul_TFLOPs": None}
+    roof = torch_roofline()
     lengths = [int(x) for x in args.lengths.split(",")]
     model = slice_model(args.model, kernels=args.kernels, max_seq_len=max(lengths) + args.chunk)
     cfg = model.cfg
@@ -82,7 +80,7 @@ def run(args) -> int:
         if len(depths) == 2:
             L1, L2 = sorted(depths)
             t1, t2 = row[f"slice{L1}"]["s"], row[f"slice{L2}"]["s"]
-            t_full = t2 + (full.n_layers - L2) * (t2 - t1) / (L2 - L1)
+            _, t_full = extrapolate_depth(t1, t2, L1, L2, full.n_layers)
             flops = n * flops_per_token(full, n / 2)
             row["full_extrapolated"] = {"s": t_full, "tokens_per_s": n / t_full,
                                         "mfu": flops / t_full / (peak * 1e12) if peak else None}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import statistics
 import sys
-import time
 
 PROMPT = "implement the tetris game. output HTML code directly - no explanation."
 RIVAL = {"engine": "rival Rust+CUDA engine (V4.1-Flash, 8xB300)", "ms_per_step": 2.71, "tokens_per_s": 2060,
@@ -155,7 +154,7 @@ def _acceptance(timed, k: int, *, simulated: bool) -> dict:
 def extrapolate(model, args, acceptance: float | None) -> dict:
     """Full-depth step time from the slice at two depths (same weights: the shallower one is a prefix), at the
     run's mean context; tokens/s = tokens per step / extrapolated step. Labelled: an extrapolation."""
-    from dsjax.bench.slices import full_config, shallower
+    from dsjax.bench.slices import extrapolate_depth, full_config, shallower
     from dsjax.bench.step_loop import time_loop
 
     cfg = model.cfg
@@ -166,9 +165,8 @@ def extrapolate(model, args, acceptance: float | None) -> dict:
     t = {L: time_loop(m, batch=1, ctx=ctx, k=k, acceptance_length=acceptance, steps=128,
                       steps_per_dispatch=args.steps_per_dispatch)["ms_per_step"]
          for L, m in ((L1, shallow), (L2, model))}
-    per_layer = (t[L2] - t[L1]) / (L2 - L1)
     full = full_config(cfg)
-    step = t[L2] + (full.n_layers - L2) * per_layer
+    per_layer, step = extrapolate_depth(t[L1], t[L2], L1, L2, full.n_layers)
     tokens_per_step = acceptance if (k and acceptance) else 1.0
     return {"label": "extrapolated from a layer slice (random weights)", "context": ctx,
             "slice_ms_per_step": t, "per_layer_ms": per_layer, "layers": full.n_layers,

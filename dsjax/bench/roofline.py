@@ -19,7 +19,10 @@ AR_US = 5.0  # small-message all-reduce inside one NVLink host (NCCL, specdec-an
 
 
 def torch_roofline() -> dict:
-    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s through torch, this run."""
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s through torch, this run (None
+    unless JAX runs on a GPU: the figures must describe the device the benchmark times)."""
+    if jax.default_backend() != "gpu":
+        return {"copy_GBps": None, "matmul_TFLOPs": None, "note": f"JAX backend is {jax.default_backend()}"}
     try:
         import torch
     except ImportError:

@@ -85,6 +85,13 @@ def state_at(cfg: ModelConfig, batch: int, max_seq: int, position: int, *, with_
                                lengths=jnp.full((batch,), position, jnp.int32))
 
 
+def extrapolate_depth(t_shallow: float, t_deep: float, shallow: int, deep: int, full: int) -> tuple[float, float]:
+    """(time per layer, full-depth time) from a slice timed at two depths: t is linear in the layers the slices
+    add, which repeat what the full model repeats."""
+    per_layer = (t_deep - t_shallow) / (deep - shallow)
+    return per_layer, t_deep + (full - deep) * per_layer
+
+
 def shallower(model, layers: int):
     """The slice's first `layers` layers as a Model sharing its weights (no copy): a second depth for the
     per-layer difference."""
