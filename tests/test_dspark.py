@@ -33,6 +33,7 @@ import pytest
 from scipy import stats
 
 import dsjax
+from acceptance_bounds import assert_closed_form_acceptance
 from dsjax import checkpoint, dspark
 from dsjax import generate as G
 from dsjax.config import load_config
@@ -218,16 +219,7 @@ def test_corrupted_oracle_matches_the_closed_form(test_seed):
     prompts, _, toks, *_ = greedy_run(test_seed)
     gens = generate(prompts, tokens=toks.tolist(), keep=alpha, seed=seed)
     assert all(g.tokens == t.tolist() for g, t in zip(gens, toks))  # corrupted drafts never change greedy output
-    acc = sum(g.stats["accepted"] for g in gens)
-    steps = sum(g.stats["row_steps"] for g in gens)
-    mean_len = 1 + acc / steps
-    expect = (1 - alpha ** (K + 1)) / (1 - alpha)
-    ea = sum(alpha ** j for j in range(1, K + 1))
-    var = sum((2 * j - 1) * alpha ** j for j in range(1, K + 1)) - ea ** 2
-    bound = 6 * (var / steps) ** 0.5
-    print(f"seed {seed}: {steps} steps, mean acceptance length {mean_len:.3f}, closed form {expect:.3f} ± {bound:.3f}")
-    assert steps >= 4 * (NEW - 1) / (K + 1)
-    assert abs(mean_len - expect) <= bound
+    assert_closed_form_acceptance(gens, alpha, K, seed, min_steps=4 * (NEW - 1) / (K + 1))
 
 
 def test_one_dispatch_without_host_callbacks(test_seed):

@@ -19,6 +19,7 @@ import pytest
 from scipy import stats
 
 import dsjax
+from acceptance_bounds import assert_closed_form_acceptance
 from dsjax.params import init_params
 from dsjax.sampling import SamplingParams, filtered_logprobs, make_sampling
 from dsjax.speculative import OracleDrafts, accept, spec_steps
@@ -73,20 +74,9 @@ def test_corrupted_oracle_matches_the_closed_form(test_seed):
     oracle = OracleDrafts(jnp.asarray([p.tokens + [0] * 8 for p in plain], jnp.int32), jnp.float32(alpha))
     spec = m.generate(prompts, 70, stop_token_ids=[], speculative="mtp", num_draft_tokens=k, oracle_drafts=oracle,
                       seed=seed)
-    per_step = []
     for p, s in zip(plain, spec):
         assert s.tokens == p.tokens  # corrupted drafts never change greedy output
-        per_step.append((s.stats["accepted"], s.stats["row_steps"]))
-    acc, steps = map(sum, zip(*per_step))
-    mean_len = 1 + acc / steps
-    expect = (1 - alpha ** (k + 1)) / (1 - alpha)
-    # accepted drafts per step: P(a >= j) = alpha^j, j <= k; its std bounds the mean over `steps` steps
-    ea = sum(alpha ** j for j in range(1, k + 1))
-    var = sum((2 * j - 1) * alpha ** j for j in range(1, k + 1)) - ea ** 2
-    bound = 6 * (var / steps) ** 0.5
-    print(f"seed {seed}: {steps} steps, mean acceptance length {mean_len:.3f}, closed form {expect:.3f} ± {bound:.3f}")
-    assert steps >= 4 * 69 / (k + 1)
-    assert abs(mean_len - expect) <= bound
+    assert_closed_form_acceptance(spec, alpha, k, seed, min_steps=4 * 69 / (k + 1))
 
 
 @pytest.mark.parametrize("seed", [7, 8, 9])
