@@ -22,6 +22,7 @@
 
 # %%
 import os
+import shutil
 import tempfile
 
 import jax
@@ -277,6 +278,7 @@ same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b
 n_equal, n_all = sum(jax.tree.leaves(same)), len(jax.tree.leaves(same))
 print(f"loaded back ({model.source}): {n_equal} of {n_all} arrays bit-identical")
 assert n_equal == n_all
+shutil.rmtree(tmp)
 
 # %% [markdown]
 # Every array comes back bit for bit, so a model saved by dsjax and loaded again computes the same logits. The
