@@ -64,13 +64,18 @@ class Model:
         stops = (self.cfg.eos_token_id,) if stops is None else tuple(int(t) for t in stops)
         return GenerateOptions(max_new_tokens=max_new_tokens, stop_token_ids=stops, **kw)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, images=None, **kw) -> list[Generation]:
         """Generate for a batch of token-id prompts. Keywords: temperature, top_p, top_k, min_p,
         seed (int or one per prompt), stop_token_ids (default: EOS), logprobs (top-k count), speculative,
-        num_draft_tokens, steps_per_dispatch, prefill_chunk."""
+        num_draft_tokens, steps_per_dispatch, prefill_chunk.
+
+        `images` (V4.1 with a vision tower): one list per prompt of images — encoded bytes, a file path, a
+        `data:image/...;base64,` URL or a uint8 [H, W, 3] array — each placing itself where the prompt holds the
+        image token (`cfg.image_token_id`, once per image; the chat encoding writes it for image parts). The
+        placeholder expands into the image's span; `Generation.tokens` holds the new tokens only."""
         with self._on_mesh():
             gens = generate(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
-                            max_seq=self.max_seq_len, max_batch=self.max_batch)
+                            max_seq=self.max_seq_len, max_batch=self.max_batch, images=images)
         for g in gens:
             g.stats["kernels"] = self.kernel_choices()
         return gens
@@ -82,10 +87,11 @@ class Model:
         return {op: [c for c in cs if c.startswith(mode)] for op, cs in kernel_choice.choices().items()
                 if any(c.startswith(mode) for c in cs)}
 
-    def stream(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> Iterator[list[list[int]]]:
+    def stream(self, prompts: list[list[int]], max_new_tokens: int, *, images=None, **kw
+               ) -> Iterator[list[list[int]]]:
         """Same arguments as `generate`; yields the new tokens of every row once per device dispatch."""
         gen = stream(self.params, self.cfg, prompts, self._options(max_new_tokens, **kw),
-                     max_seq=self.max_seq_len, max_batch=self.max_batch)
+                     max_seq=self.max_seq_len, max_batch=self.max_batch, images=images)
         while True:
             with self._on_mesh():
                 new = next(gen, None)
@@ -137,8 +143,7 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
     `ep`: routed experts over the "tp" devices (default) or over "all" devices of the mesh.
     `compilation_cache`: directory of JAX's persistent compilation cache (default ~/.cache/dsjax/xla; None
     leaves JAX's own setting alone).
-    `ignore_vision`: load a V4.1 checkpoint that carries the vision tower as the text model (without it, its
-    tensors are refused by name: vision is not implemented yet).
+    `ignore_vision`: load a V4.1 checkpoint without its vision tower (text only; images are then refused).
     """
     enable_compilation_cache(compilation_cache)
     if numerics not in NUMERICS:

@@ -23,7 +23,8 @@ from dsjax.config import ModelConfig, load_config
 from dsjax.errors import CheckpointError
 from dsjax.weights import ArrayInfo, Linear, describe, is_info
 
-_AS_IS = {"ape", "attn_sink", "tid2eid", "bias", "bias_vl", "q_weight", "k_weight"}  # V4.1: gate.bias_vl, engram.q/k_weight
+_AS_IS = {"ape", "attn_sink", "tid2eid", "bias", "bias_vl", "q_weight", "k_weight",  # V4.1: gate.bias_vl, engram.q/k_weight
+          "image_start", "image_end", "image_newline"}                                # V4.1 vision: the span vectors
 _HC = re.compile(r"\b(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 
 
@@ -141,20 +142,24 @@ def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, Array
               shardings=None, progress: Callable[[int], None] | None = None, ignore_vision: bool = False):
     """Assemble the weight tree from `files` (name -> SafetensorsFile), validating every tensor.
 
-    V4.1's vision tower (`vision.*`, `aligner.*`, `image_start/end/newline`) is not part of the weight tree: its
-    tensors are refused with a message naming them, or skipped with `ignore_vision=True` (text-only use).
+    V4.1's vision tower (`vision.*`, `aligner.*`, `image_start/end/newline`) is loaded when the config has one
+    (`vision_n_layers` > 0); `ignore_vision=True` skips its tensors (text-only use: `params.vision` stays None).
+    Vision tensors in a checkpoint whose config has no tower are refused by name unless ignored.
 
     Without `shardings` each whole tensor goes through `put`. With `shardings` (a NamedSharding per leaf) each
     leaf is built by `jax.make_array_from_callback` from the slices its devices hold, read straight from the
     files: no leaf — least of all a stack of routed experts — is ever assembled whole on the host."""
     vision = sorted(n for n in files if _is_vision_tensor(n))
-    if vision and not ignore_vision:  # refused before anything is read
+    if vision and not ignore_vision and not cfg.vision_enabled:  # refused before anything is read
         raise CheckpointError(f"{len(vision)} vision-tower tensor(s) ({', '.join(vision[:3])}"
-                              f"{' ...' if len(vision) > 3 else ''}): the {cfg.name} vision tower (ViT + aligner) "
-                              f"is not implemented in dsjax yet (the V4.1 vision issue); pass ignore_vision=True "
-                              f"to load the text model without them")
+                              f"{' ...' if len(vision) > 3 else ''}): the config of {cfg.name} has no vision tower "
+                              f"(vision_n_layers=0, no vision_config); pass ignore_vision=True to load the text "
+                              f"model without them")
     put = put or (lambda a, info: jnp.asarray(a))
     tree = describe(cfg)
+    if ignore_vision:
+        tree = without_vision(tree)
+        shardings = None if shardings is None else without_vision(shardings)
     used: set[str] = set()
 
     def leaf_reader(name: str, info: ArrayInfo) -> tuple[Callable[[tuple | None], np.ndarray], int]:
@@ -201,11 +206,23 @@ def read_tree(files: dict, cfg: ModelConfig, *, put: Callable[[np.ndarray, Array
         out = jax.tree_util.tree_map_with_path(load, tree, is_leaf=is_info)
     else:
         out = jax.tree_util.tree_map_with_path(load, tree, shardings, is_leaf=is_info)
-    extra = sorted(n for n in set(files) - used if not _is_vision_tensor(n))
+    extra = sorted(n for n in set(files) - used if not (ignore_vision and _is_vision_tensor(n)))
     if extra:
         raise CheckpointError(f"{len(extra)} unexpected tensor(s) for {cfg.name}: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''}")
     return out
+
+
+_VISION_FIELDS = ("vision", "aligner", "image_start", "image_end", "image_newline")
+
+
+def without_vision(tree):
+    """A V4.1 weight tree (or a tree of shardings) with the vision tower's fields set to None."""
+    import dataclasses
+
+    if all(hasattr(tree, f) for f in _VISION_FIELDS):
+        return dataclasses.replace(tree, **dict.fromkeys(_VISION_FIELDS))
+    return tree
 
 
 def _is_vision_tensor(name: str) -> bool:

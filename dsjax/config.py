@@ -95,7 +95,18 @@ class ModelConfig:
     dspark_markov_rank: int = 0
     dspark_n_routed_experts: int = 0
     dspark_n_activated_experts: int = 0
+    # V4.1 vision (names as DeepSeek's inference ModelArgs; HF: vision_config); vision_n_layers 0 = no tower
     vision_n_layers: int = 0
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024       # image-span positions, start/newlines/end included
+    vision_min_pixels: int = 544 * 544   # smaller images are upscaled to about this many pixels
+    vision_max_wh_ratio: int | None = None  # None in the V4.1 release: no width clamp
+    image_token_id: int = 129264         # <｜deepseek_image｜>; every position of an image span carries it
     # V4.1 reference behaviour switch: the official decode path scores ratio-2 index sources against the last
     # *published* index keys (spec §1 item 3, a bug); False (default) reads each source's own owner's keys
     reference_index_key_bug: bool = False
@@ -148,6 +159,10 @@ class ModelConfig:
         if self.compress_ratios[layer]:
             return self.compress_rope_theta, True
         return self.rope_theta, False
+
+    @property
+    def vision_enabled(self) -> bool:
+        return self.family == "v4.1" and self.vision_n_layers > 0
 
     @property
     def nope_head_dim(self) -> int:
@@ -246,6 +261,14 @@ class ModelConfig:
                  "candidate_source_layer must be an index source, with candidate_topk_blocks and _block_size > 0")
         need(self.head_dim % 32 == 0 and self.index_head_dim % 32 == 0,
              "V4.1 rounds window KV per 32, main KV per 16 and index keys per 32: head_dim and index_head_dim % 32")
+        if self.vision_n_layers:
+            need(self.vision_dim % self.vision_n_heads == 0 and (self.vision_dim // self.vision_n_heads) % 4 == 0,
+                 f"vision_dim {self.vision_dim} over {self.vision_n_heads} heads must leave a head width divisible by "
+                 f"4 (the 2D rotary splits it into row and column pairs)")
+            need(self.vision_patch_size > 0 and self.vision_downsample_ratio > 0 and self.vision_max_n_token > 2
+                 and self.vision_min_pixels >= 0 and self.vision_inter_dim > 0,
+                 "vision_patch_size, vision_downsample_ratio, vision_inter_dim must be positive, vision_max_n_token > 2")
+            need(0 <= self.image_token_id < self.vocab_size, f"image_token_id {self.image_token_id} outside the vocabulary")
         if self.engram_layer_ids:
             need(len(self.engram_num_embeddings) == len(self.engram_layer_ids),
                  "engram_num_embeddings needs one table size per Engram layer")
@@ -316,6 +339,10 @@ def _tiny_v41(**kw) -> ModelConfig:
         engram_head_dim=32, engram_pad_id=2, engram_compressed_vocab_size=99092, dspark_block_size=5,
         dspark_noise_token_id=128799, dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=16,
         dspark_n_routed_experts=4, dspark_n_activated_experts=2, pad_token_id=2, max_position_embeddings=4096,
+        # a 2-layer ViT of width 32 (head width 16), the real patch and downsample; images of up to 62 span
+        # positions, upscaled to at least 56x56 pixels: a few hundred patches, cheap on a CPU
+        vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=64, vision_max_n_token=62,
+        vision_min_pixels=56 * 56,
     )
     base.update(kw)
     return ModelConfig(**base)
@@ -359,6 +386,13 @@ _HF_TO_INFERENCE = {
     "dspark_num_experts_per_tok": "dspark_n_activated_experts",
     "n_mtp_layers": "n_mtp_layers",
 }
+# HF vision_config name -> ModelConfig field (DeepSeek's inference names)
+_HF_VISION = {
+    "num_hidden_layers": "vision_n_layers", "hidden_size": "vision_dim", "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim", "patch_size": "vision_patch_size", "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio", "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels", "max_wh_ratio": "vision_max_wh_ratio",
+}
 _TRANSFORMERS_LAYER_TYPES = {"sliding_attention": "window", "compressed_sparse_attention": "csa",
                              "heavily_compressed_attention": "hca"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
@@ -373,7 +407,9 @@ def config_from_dict(raw: dict[str, Any], *, name: str = "custom", source: str =
         outer = {k: v for k, v in d.items() if k != "text_config"}
         d = {**outer, **d["text_config"]}
         if isinstance(d.get("vision_config"), dict):
-            d.setdefault("vision_n_layers", d["vision_config"].get("num_hidden_layers", 0))
+            for hf, ours in _HF_VISION.items():
+                if hf in d["vision_config"]:
+                    d.setdefault(ours, d["vision_config"][hf])
     model_type = str(d.get("model_type", ""))
     family: Family = "v4.1" if ("v41" in model_type or "kv_source_layers" in d or "kv_source_layer_ids" in d) else "v4"
     out: dict[str, Any] = {"name": name, "family": family}

@@ -110,10 +110,11 @@ def dspark_steps(params, carry: DSparkCarry, sp: SamplingParams, stop_ids, max_n
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state", "rings"))
-def prefill_chunk(params, tokens, state, rings, n_valid, *, cfg: ModelConfig):
-    """One prompt chunk through the target, its taps into the DSpark rings. Returns (logits, main_x, state, rings)."""
+def prefill_chunk(params, tokens, state, rings, n_valid, image=None, *, cfg: ModelConfig):
+    """One prompt chunk through the target, its taps into the DSpark rings. Returns (logits, main_x, state, rings).
+    `image`: the chunk's image-span rows (see forward_hidden41)."""
     start = state.lengths
     rec = {}
-    y, state = forward_hidden41(params, cfg, tokens, state, n_valid, record=rec)
+    y, state = forward_hidden41(params, cfg, tokens, state, n_valid, record=rec, image=image)
     rings, main_x = dspark.seed_from_chunk(params, cfg, rings, rec["taps"], start, n_valid)
     return head_logits41(y, params, cfg), main_x, state, rings

@@ -15,3 +15,7 @@ class CheckpointError(DsjaxError, ValueError):
 
 class InputError(DsjaxError, ValueError):
     """Token ids, positions or generation arguments are out of range."""
+
+
+class ImageError(InputError):
+    """An image that cannot be used: unreadable, corrupt, empty, too large, or of an unsupported format."""

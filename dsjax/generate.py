@@ -68,10 +68,11 @@ def _bucket(n: int, lo: int = 16) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mtp"), donate_argnames=("state",))
-def _prefill_chunk(params, tokens, next_tokens, state, n_valid, n_mtp, *, cfg: ModelConfig, mtp: bool):
-    """One prompt chunk; with `mtp`, the MTP block also consumes the chunk's positions whose next token is known."""
+def _prefill_chunk(params, tokens, next_tokens, state, n_valid, n_mtp, image=None, *, cfg: ModelConfig, mtp: bool):
+    """One prompt chunk; with `mtp`, the MTP block also consumes the chunk's positions whose next token is known.
+    `image`: (span rows, index [B, C]) of a chunk holding image-span positions (see forward_hidden41)."""
     start = state.lengths
-    h, state = forward_hidden_chunk(params, cfg, tokens, state, n_valid)
+    h, state = forward_hidden_chunk(params, cfg, tokens, state, n_valid, image=image)
     if mtp:
         _, ring = mtp_hidden(params, cfg, h, next_tokens, state.mtp[0], start, n_mtp)
         state = dataclasses.replace(state, mtp=(ring,))
@@ -134,10 +135,19 @@ def validate(cfg: ModelConfig, prompts, opts: GenerateOptions, max_seq: int, max
     return out
 
 
-def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq: int, max_batch: int
-           ) -> Iterator[tuple[list[list[int]], list[bool], dict]]:
+def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq: int, max_batch: int,
+           images=None) -> Iterator[tuple[list[list[int]], list[bool], dict]]:
     """Yields (new tokens per row, done per row, stats) once per device dispatch; the first yield is the
-    prefill's token."""
+    prefill's token. `images` (V4.1 with a vision tower): one list of images per prompt, each prompt holding one
+    `image_token_id` placeholder per image (see dsjax.vision.prepare)."""
+    vision = None
+    if images is not None:
+        from dsjax.vision import prepare
+
+        validate(cfg, prompts, dataclasses.replace(opts, max_new_tokens=max(opts.max_new_tokens, 1)), 1 << 62,
+                 max_batch)
+        prompts, vision = prepare(params, cfg, prompts, images)
+        prompts = [p.tolist() for p in prompts]
     rows = validate(cfg, prompts, opts, max_seq, max_batch)
     B = len(rows)
     mesh = active_mesh()
@@ -170,12 +180,16 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
             nxt[b, :len(after)] = after
         n_valid = np.clip(lengths - start, 0, C).astype(np.int32)
         n_mtp = np.clip(lengths - 1 - start, 0, C).astype(np.int32)
+        image = None
+        if vision is not None:
+            index = vision.chunk(slots, start, C)
+            image = (vision.rows, jnp.asarray(index)) if (index >= 0).any() else None
         if dspark:
             logits, h, state, rings = dspark_prefill(params, jnp.asarray(chunk), state, rings, jnp.asarray(n_valid),
-                                                     cfg=cfg)
+                                                     image, cfg=cfg)
         else:
             logits, h, state = _prefill_chunk(params, jnp.asarray(chunk), jnp.asarray(nxt), state,
-                                              jnp.asarray(n_valid), jnp.asarray(n_mtp), cfg=cfg, mtp=spec)
+                                              jnp.asarray(n_valid), jnp.asarray(n_mtp), image, cfg=cfg, mtp=spec)
         last = jnp.asarray(np.clip(lengths - 1 - start, 0, C - 1))
         here = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + C))
         last_logits = jnp.where(here[:, None], logits[jnp.arange(slots), last], last_logits)
@@ -233,12 +247,12 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
                           "carry": carry}
 
 
-def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq: int, max_batch: int
-             ) -> list[Generation]:
+def generate(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq: int, max_batch: int,
+             images=None) -> list[Generation]:
     B = len(prompts) if isinstance(prompts, (list, tuple)) else 0
     out = [[] for _ in range(B)]
     stats: dict = {}
-    for new, done, stats in stream(params, cfg, prompts, opts, max_seq=max_seq, max_batch=max_batch):
+    for new, done, stats in stream(params, cfg, prompts, opts, max_seq=max_seq, max_batch=max_batch, images=images):
         for b, toks in enumerate(new):
             out[b].extend(toks)
         carry = stats["carry"]

@@ -66,7 +66,7 @@ def embed(params: Model, cfg: ModelConfig, token_ids):
 
 
 def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: DecodeState, n_valid=None,
-                         *, with_pending: bool = False):
+                         *, with_pending: bool = False, image=None):
     """token_ids [B,T] at positions state.lengths[b]+t -> (streams [B,T,n,D] before hc_head, new state), plus
     every layer's pending inputs when `with_pending` (to commit a shorter prefix with `commit_chunk`).
     V4.1 (`v41_model`): the final collapsed stream [B,T,D] instead of the streams."""
@@ -74,7 +74,9 @@ def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: Deco
         if with_pending:
             raise NotImplementedError(f"{cfg.name}: V4.1 verify blocks (commit_chunk) are not written yet")
         from dsjax.v41_model import forward_hidden41
-        return forward_hidden41(params, cfg, token_ids, state, n_valid)
+        return forward_hidden41(params, cfg, token_ids, state, n_valid, image=image)
+    if image is not None:
+        raise ValueError(f"{cfg.name}: images need a V4.1 model with a vision tower")
     B, T = token_ids.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths

@@ -34,13 +34,15 @@ GPUS = {
 }
 
 CATEGORIES = ("attention", "indexer", "compressors", "router", "routed experts", "shared expert",
-              "embedding", "head", "mHC + norms", "MTP", "Engram tables", "Engram projections", "DSpark")
+              "embedding", "head", "mHC + norms", "MTP", "Engram tables", "Engram projections", "DSpark", "vision")
 
 
 _ROUTED = re.compile(r"\.ffn\.w[123]\.")
 
 
 def _category(path: str, family: str = "v4") -> str:
+    if path.startswith((".vision", ".aligner", ".image_")):
+        return "vision"
     if path.startswith(".mtp"):
         return "DSpark" if family == "v4.1" else "MTP"
     if ".engram.embed." in path:
@@ -111,7 +113,7 @@ def weight_plan(cfg: ModelConfig, mesh) -> dict:
     tree = describe(cfg)
     rules, sizes = cfg.sharding, dict(zip(mesh.axis_names, mesh.axis_sizes))
     per_device = dict.fromkeys(CATEGORIES, 0)
-    total = backbone = mtp = engram = dense_elems = 0
+    total = backbone = mtp = engram = vision = dense_elems = 0
     devices = sizes["dp"] * sizes["tp"]
     for path, info in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)[0]:
         key = jax.tree_util.keystr(path)
@@ -133,11 +135,15 @@ def weight_plan(cfg: ModelConfig, mesh) -> dict:
         total += full
         if info.logical_shape or not jnp.issubdtype(info.dtype, jnp.integer):  # not scales, not tid2eid
             n = math.prod(info.logical_shape or info.shape)
-            mtp, backbone = (mtp + n, backbone) if cat in ("MTP", "DSpark") else (mtp, backbone + n)
+            if cat == "vision":
+                vision += n
+            else:
+                mtp, backbone = (mtp + n, backbone) if cat in ("MTP", "DSpark") else (mtp, backbone + n)
         if info.logical_shape and np.dtype(info.dtype).itemsize == 1 and not _ROUTED.search(key):
             dense_elems = max(dense_elems, math.prod(info.logical_shape) // split)  # FP8 Linear, dequantised per matmul
     return {"per_device": per_device, "per_device_total": sum(per_device.values()), "global_total": total,
-            "logical_params": {"backbone": backbone, "mtp": mtp, "engram": engram, "total": backbone + mtp + engram},
+            "logical_params": {"backbone": backbone, "mtp": mtp, "engram": engram, "vision": vision,
+                               "total": backbone + mtp + engram + vision},
             "largest_dense_elems": dense_elems}
 
 
@@ -349,7 +355,9 @@ def format_plan(p: dict) -> str:
     lp = {k: v / 1e9 for k, v in w["logical_params"].items()}
     draft = "DSpark" if p["family"] == "v4.1" else "MTP"
     engram = f" + {lp['engram']:.2f}B Engram tables" if lp.get("engram") else ""
-    lines.append(f"parameters: {lp['backbone']:.2f}B backbone + {lp['mtp']:.2f}B {draft}{engram} = {lp['total']:.2f}B")
+    vision = f" + {lp['vision']:.2f}B vision" if lp.get("vision") else ""
+    lines.append(f"parameters: {lp['backbone']:.2f}B backbone + {lp['mtp']:.2f}B {draft}{engram}{vision} = "
+                 f"{lp['total']:.2f}B")
     lines.append("per device (GB = 10^9 bytes)")
     lines.append(f"weights{'':<27}{_gb(w['per_device_total'])}   (all devices hold {_gb(w['global_total']).strip()})")
     lines += [f"  {c:<32}{_gb(b)}" for c, b in w["per_device"].items() if b]

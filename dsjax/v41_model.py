@@ -36,29 +36,38 @@ def collapse(h, pre):
 
 
 def block41(h, pre_mix, token_ids, w: Block41, cfg: ModelConfig, layer: int, st, shared: dict, start, n_valid,
-            attention=attention41):
+            attention=attention41, image_mask=None):
     """One V4.1 block. Returns (h [b,t,n,D], pre_mix for the next block, new layer state). `attention` has
-    attention41's signature (the DSpark stages pass their block attention)."""
+    attention41's signature (the DSpark stages pass their block attention); `image_mask` [b,t]: image-span
+    tokens, which the MoE routes with its VL bias."""
     def attn_input(h, pre_mix):
         pre, post, comb = mixes(h, w.hc_attn, cfg)
         return rms_norm(collapse(h, pre_mix), w.attn_norm, cfg.norm_eps), pre, post, comb
 
-    def ffn_part(x, residual, post, comb, attn_pre, ids):
+    def ffn_part(x, residual, post, comb, attn_pre, ids, image=None):
         h = hc_post(x, residual, post, comb)
         ffn_pre, post, comb = mixes(h, w.hc_ffn, cfg)
-        y = moe(rms_norm(collapse(h, attn_pre), w.ffn_norm, cfg.norm_eps), ids, w.ffn, cfg)
+        y = moe(rms_norm(collapse(h, attn_pre), w.ffn_norm, cfg.norm_eps), ids, w.ffn, cfg, image)
         return hc_post(y, h, post, comb), ffn_pre
 
     x, attn_pre, post, comb = per_token(cfg, attn_input, h, pre_mix)
     x, st = attention(x, w.attn, cfg, layer, st, shared, start, n_valid)
-    out, ffn_pre = per_token(cfg, ffn_part, x, h, post, comb, attn_pre, token_ids)
+    extra = () if image_mask is None else (image_mask,)
+    out, ffn_pre = per_token(cfg, ffn_part, x, h, post, comb, attn_pre, token_ids, *extra)
     return out, ffn_pre, st
 
 
-def embed41(params: Model41, cfg: ModelConfig, token_ids):
+def embed41(params: Model41, cfg: ModelConfig, token_ids, image=None):
+    """Token embeddings repeated over the n streams [b,s,n,D], and the one-hot first pre_mix. `image` =
+    (span_rows [R,D], index int32 [b,s]): where index >= 0 the row span_rows[index] replaces the embedding (the
+    image spans' ViT/aligner rows and start/newline/end vectors, see dsjax.vision)."""
     from dsjax.model import embed_rows
 
-    h = embed_rows(params.embed, token_ids, cfg).astype(jnp.dtype(cfg.compute_dtype))
+    h = embed_rows(params.embed, token_ids, cfg)
+    if image is not None:
+        rows, index = image
+        h = jnp.where((index >= 0)[..., None], rows[jnp.maximum(index, 0)].astype(h.dtype), h)
+    h = h.astype(jnp.dtype(cfg.compute_dtype))
     h = jnp.repeat(h[:, :, None, :], cfg.hc_mult, axis=2)
     pre_mix = jnp.zeros(h.shape[:3], jnp.float32).at[..., 0].set(1.0)
     return h, pre_mix
@@ -70,8 +79,12 @@ def stream_mean(h):
 
 
 def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State41, n_valid=None, *,
-                     teacher=None, collect=False, record: dict | None = None):
+                     teacher=None, collect=False, record: dict | None = None, image=None):
     """token_ids [B,T] at positions state.lengths[b]+t -> (final collapsed stream y [B,T,D], new state).
+
+    `image` = (span_rows [R,D], index int32 [B,T]), index -1 at text positions: image-span positions take their
+    rows as embeddings, route with the MoE's VL bias, get Engram gate 0 and end every n-gram (official model.py,
+    Transformer.forward with token_types).
 
     `teacher` = (h_in [L,B,T,n,D], pre_in [L,B,T,n], use bool [L]) replaces block l's input (h, pre_mix) by
     (h_in[l], pre_in[l]) where use[l] (teacher forcing from saved block outputs; traced, so one compile serves
@@ -81,8 +94,10 @@ def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State4
     B, T = token_ids.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths
-    row_ids = hash_ids(cfg, state.engram_history, token_ids) if cfg.engram_layer_ids else None
-    h, pre_mix = embed41(params, cfg, token_ids)
+    image_mask = None if image is None else image[1] >= 0
+    live = None if image_mask is None else ~image_mask
+    row_ids = hash_ids(cfg, state.engram_history, token_ids, image_mask) if cfg.engram_layer_ids else None
+    h, pre_mix = embed41(params, cfg, token_ids, image)
     sources = {layer: st.source for layer, st in enumerate(state.layers) if st.source is not None}
     last_source = max(sources) if sources else None
     shared = {"sources": sources, "topk": None, "candidates": None,
@@ -96,13 +111,17 @@ def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State4
                 pre_mix = jnp.where(use[layer], pre_in[layer].astype(jnp.float32), pre_mix)
             if w.engram is not None:
                 k = cfg.engram_layer_ids.index(layer)
-                h = per_token(cfg, lambda h, ids: engram(h, ids, w.engram, cfg), h, row_ids[:, :, k])
+                if live is None:
+                    h = per_token(cfg, lambda h, ids: engram(h, ids, w.engram, cfg), h, row_ids[:, :, k])
+                else:
+                    h = per_token(cfg, lambda h, ids, lv: engram(h, ids, w.engram, cfg, lv), h, row_ids[:, :, k], live)
             if layer in cfg.dspark_target_layer_ids:
                 taps.append(per_token(cfg, stream_mean, h))
-            h, pre_mix, st = block41(h, pre_mix, token_ids, w, cfg, layer, st, shared, start, n_valid)
+            h, pre_mix, st = block41(h, pre_mix, token_ids, w, cfg, layer, st, shared, start, n_valid,
+                                     image_mask=image_mask)
         layers.append(st)
         outputs.append((h, pre_mix))
-    history = next_history(state.engram_history, token_ids, n_valid)
+    history = next_history(state.engram_history, token_ids, n_valid, image_mask)
     new = State41(lengths=start + n_valid, layers=tuple(layers), engram_history=history)
     y = per_token(cfg, collapse, h, pre_mix)
     if record is not None:
@@ -140,10 +159,10 @@ def forward_chunk41(params: Model41, cfg: ModelConfig, token_ids, state: State41
     return head_logits41(y, params, cfg), state
 
 
-def forward41(params: Model41, cfg: ModelConfig, token_ids, positions=None, max_seq: int | None = None):
+def forward41(params: Model41, cfg: ModelConfig, token_ids, positions=None, max_seq: int | None = None, image=None):
     """Full-sequence logits float32 [b, s, V] (or [b, len(positions), V]); caches sized for `max_seq` tokens."""
     b, s = token_ids.shape
-    y, _ = forward_hidden41(params, cfg, token_ids, init_state41(cfg, b, max(s, max_seq or s)))
+    y, _ = forward_hidden41(params, cfg, token_ids, init_state41(cfg, b, max(s, max_seq or s)), image=image)
     if positions is not None:
         y = y[:, jnp.asarray(positions)]
     return head_logits41(y, params, cfg)

@@ -104,6 +104,12 @@ class Model41:
     head: Any
     mtp: tuple          # DSpark stages
     hc_head: Any = None  # V4.1 has no hc_head (the last block's FFN pre_mix collapses the streams)
+    # vision (cfg.vision_enabled): the ViT, the aligner and the image-span vectors (dsjax.vision.weights)
+    vision: Any = None
+    aligner: Any = None
+    image_start: Any = None
+    image_end: Any = None
+    image_newline: Any = None
 
 
 # ---------------------------------------------------------------------- the V4.1 schedule (spec §2.2)
@@ -172,7 +178,7 @@ def _moe41(cfg: ModelConfig, layer: int) -> MoE41:
         shared_w1=_linear(cfg, I, D, ("ffn", None), std=(4.0 / D) ** 0.5),
         shared_w2=_linear(cfg, D, I, (None, "ffn"), std=(0.01 / I) ** 0.5),
         shared_w3=_linear(cfg, I, D, ("ffn", None), std=(4.0 / D) ** 0.5),
-        gate_bias_vl=bias if cfg.vision_n_layers > 0 else None,
+        gate_bias_vl=bias if cfg.vision_enabled else None,
     )
 
 
@@ -212,7 +218,9 @@ def _dspark_stage(cfg: ModelConfig, stage: int) -> DSparkStage:
 
 
 def describe41(cfg: ModelConfig) -> Model41:
-    """The ArrayInfo tree of every weight of a V4.1 model (vision tower excluded: see checkpoint.py)."""
+    """The ArrayInfo tree of every weight of a V4.1 model (the vision tower when `cfg.vision_enabled`)."""
+    from dsjax.vision.weights import describe_vision
+
     D, V = cfg.dim, cfg.vocab_size
     return Model41(
         embed=ArrayInfo((V, D), jnp.bfloat16, ("vocab", None), ("normal", 1.0)),
@@ -220,4 +228,5 @@ def describe41(cfg: ModelConfig) -> Model41:
         norm=_norm(D),
         head=ArrayInfo((V, D), jnp.bfloat16, ("vocab", None), ("normal", (4.0 / D) ** 0.5)),
         mtp=tuple(_dspark_stage(cfg, i) for i in range(cfg.n_mtp_layers if cfg.dspark_block_size else 0)),
+        **(describe_vision(cfg) if cfg.vision_enabled else {}),
     )

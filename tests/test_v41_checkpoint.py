@@ -1,5 +1,5 @@
-"""V4.1 checkpoints and Engram hashing: every tensor of the official layout (spec §5.3), the vision tower refused
-by name, and the n-gram hash constants and row ids equal to what DeepSeek's reference derived (the golden case)."""
+"""V4.1 checkpoints and Engram hashing: every tensor of the official layout (spec §5.3), vision tensors refused by
+name when the config has no tower, and the n-gram hash constants and row ids equal to what DeepSeek's reference derived (the golden case)."""
 
 import math
 import os
@@ -25,21 +25,25 @@ needs_case = pytest.mark.skipif(not CASES, reason="no V4.1 golden case in tests/
 
 
 def test_v41_flash_tensor_inventory_matches_the_spec():
-    """Our tree + the FP8 scale of each wo_a (dequantised at load) = 95,819 tensors (spec §1: 96,085 with vision's
-    266); byte totals per dtype and the backbone / Engram / DSpark parameter split as the spec reconciles them."""
+    """Our tree + the FP8 scale of each wo_a (dequantised at load) = 96,085 tensors, 266 of them vision's (spec §1);
+    byte totals per dtype and the backbone / Engram / DSpark / vision parameter split as the spec reconciles them."""
     cfg = dsjax.preset("v4.1-flash")
-    tensors, params, fp8_bytes, f32_bytes = 0, {"backbone": 0, "engram": 0, "dspark": 0}, 0, 0
+    tensors, params, fp8_bytes, f32_bytes = 0, {"backbone": 0, "engram": 0, "dspark": 0, "vision": 0}, 0, 0
+    vision = 0
     for path, info in jax.tree_util.tree_flatten_with_path(describe(cfg), is_leaf=is_info)[0]:
         name = checkpoint.official_name(path)
         tensors += info.shape[0] if "{e}" in name else 1
+        vision += checkpoint._is_vision_tensor(name)
         size = math.prod(info.shape) * np.dtype(info.dtype).itemsize
         fp8_bytes += size if info.dtype == jnp.float8_e4m3fn else 0
         f32_bytes += size if info.dtype == jnp.float32 else 0
         if info.logical_shape or not jnp.issubdtype(info.dtype, jnp.integer):  # no scale arrays
-            part = "dspark" if name.startswith("mtp.") else "engram" if ".engram.embed." in name else "backbone"
+            part = ("dspark" if name.startswith("mtp.") else "engram" if ".engram.embed." in name else
+                    "vision" if checkpoint._is_vision_tensor(name) else "backbone")
             params[part] += math.prod(info.logical_shape or info.shape)
     wo_a = cfg.n_layers + cfg.n_mtp_layers
-    assert tensors + wo_a == 95_819
+    assert tensors + wo_a == 96_085 and vision == 266
+    assert round(params["vision"] / 1e9, 3) == 0.485
     assert fp8_bytes + wo_a * 8192 * 4096 == 204_015_223_296 and f32_bytes == 169_229_128
     assert round(params["backbone"] / 1e9, 3) == 551.881
     assert round(params["engram"] / 1e9, 3) == 196.614 and round(params["dspark"] / 1e9, 3) == 14.225
@@ -74,7 +78,7 @@ def test_vision_tensors_are_refused_by_name(tmp_path):
     tensors["image_newline"] = np.zeros((64,), np.float32)
     safetensors_io.write(str(tmp_path / "model.safetensors"), tensors, dtype_names=tags)
     with pytest.raises(CheckpointError, match=r"2 vision-tower tensor\(s\) \(image_newline, vision.blocks.0.attn.qkv"
-                                              r".weight\).*not implemented.*ignore_vision=True"):
+                                              r".weight\).*has no vision tower.*ignore_vision=True"):
         checkpoint.load_params(str(tmp_path))
     assert checkpoint.load_params(str(tmp_path), ignore_vision=True).layers[1].engram is not None
     with pytest.raises(CheckpointError, match="ignore_vision=True"):

@@ -127,14 +127,19 @@ def engram_constants(cfg: ModelConfig) -> EngramConstants:
         multipliers=mult, products_hi=(prod >> 32).astype(np.uint32), products_lo=(prod & 0xFFFFFFFF).astype(np.uint32))
 
 
-def hash_ids_reference(cfg: ModelConfig, token_ids: np.ndarray) -> np.ndarray:
+def hash_ids_reference(cfg: ModelConfig, token_ids: np.ndarray, dead: np.ndarray | None = None) -> np.ndarray:
     """int64 [B, S, n_engram_layers, cols] row ids of a whole sequence from position 0 — numpy, int64, the
-    spec's formula as written (the device path `hash_ids` must equal it)."""
+    spec's formula as written (the device path `hash_ids` must equal it). `dead` [B, S]: image positions; a
+    look-back reads the pad id from the first dead token on."""
     c = engram_constants(cfg)
     comp = c.token_map[np.asarray(token_ids)]
     B, S = comp.shape
-    toks = [np.concatenate([np.full((B, k), c.pad_id, np.int64), comp[:, : S - k]], axis=1)
-            for k in range(cfg.engram_max_ngram_size)]
+    dead = np.zeros((B, S), bool) if dead is None else np.asarray(dead, bool)
+    toks, blocked = [], np.zeros((B, S), bool)
+    for k in range(cfg.engram_max_ngram_size):
+        back = np.concatenate([np.full((B, k), c.pad_id, np.int64), comp[:, : S - k]], axis=1)
+        blocked = blocked | np.concatenate([np.zeros((B, k), bool), dead[:, : S - k]], axis=1)
+        toks.append(np.where(blocked, c.pad_id, back))
     out = []
     for li in range(len(cfg.engram_layer_ids)):
         rolling, cols = toks[0] * c.multipliers[li, 0], []
@@ -154,21 +159,33 @@ def _mod_u32(hi, lo, p):
     return r
 
 
-def hash_ids(cfg: ModelConfig, history, token_ids):
+DEAD = -1  # a history entry for a dead token (an image-span position): no n-gram reaches past it
+
+
+def _with_dead(token_ids, dead):
+    return token_ids if dead is None else jnp.where(dead, DEAD, token_ids)
+
+
+def hash_ids(cfg: ModelConfig, history, token_ids, dead=None):
     """Row ids int32 [B, T, n_engram_layers, cols] of a chunk.
 
     history int32 [B, max_ngram-1]: the token ids before the chunk, oldest first (`engram_pad_id` before the
-    sequence start); token_ids int32 [B, T]."""
+    sequence start, `DEAD` for image positions); token_ids int32 [B, T]; dead bool [B, T] or None: image-span
+    positions. Looking back from a position, the pad id replaces every token from the first dead one on (the
+    position's own included), so no n-gram spans an image (official engram.py, NgramHashState)."""
     c = engram_constants(cfg)
     n_max = cfg.engram_max_ngram_size
     T = token_ids.shape[1]
-    ext = jnp.concatenate([history, token_ids], axis=1)                      # [B, n-1+T]
+    ext = jnp.concatenate([history, _with_dead(token_ids, dead)], axis=1)  # [B, n-1+T]
     hi_tab, lo_tab = jnp.asarray(c.products_hi), jnp.asarray(c.products_lo)
     out = []
     for li in range(len(cfg.engram_layer_ids)):
         cols = []
+        blocked = jnp.zeros(token_ids.shape, bool)
         for k in range(n_max):
             tok = jax.lax.dynamic_slice_in_dim(ext, n_max - 1 - k, T, axis=1)
+            blocked = blocked | (tok == DEAD)
+            tok = jnp.where(blocked, cfg.engram_pad_id, tok)
             hi, lo = hi_tab[li, k][tok], lo_tab[li, k][tok]
             if k == 0:
                 r_hi, r_lo = hi, lo
@@ -180,10 +197,10 @@ def hash_ids(cfg: ModelConfig, history, token_ids):
     return jnp.stack(out, axis=2)
 
 
-def next_history(history, token_ids, n_valid):
-    """The last max_ngram-1 token ids after the first n_valid[b] tokens of the chunk."""
+def next_history(history, token_ids, n_valid, dead=None):
+    """The last max_ngram-1 token ids after the first n_valid[b] tokens of the chunk (`DEAD` where `dead`)."""
     H = history.shape[1]
-    ext = jnp.concatenate([history, token_ids], axis=1)
+    ext = jnp.concatenate([history, _with_dead(token_ids, dead)], axis=1)
     idx = n_valid[:, None] + jnp.arange(H)[None, :]        # positions n_valid .. n_valid+H-1 of ext
     return jnp.take_along_axis(ext, idx, axis=1)
 
@@ -192,8 +209,9 @@ def initial_history(cfg: ModelConfig, batch: int):
     return jnp.full((batch, max(cfg.engram_max_ngram_size - 1, 0)), cfg.engram_pad_id, jnp.int32)
 
 
-def engram(h, row_ids, w, cfg: ModelConfig):
-    """h [B,T,n,D] streams, row_ids int32 [B,T,cols] -> h + gate·value (spec §3.10), in h's dtype."""
+def engram(h, row_ids, w, cfg: ModelConfig, live=None):
+    """h [B,T,n,D] streams, row_ids int32 [B,T,cols] -> h + gate·value (spec §3.10), in h's dtype. `live` [B,T]
+    (or None: all): where False (image-span positions) the gate is 0, the streams pass through unchanged."""
     B, T, n, D = h.shape
     dt = h.dtype
     block = w.embed.weight.shape[-1] // w.embed.scale.shape[-1]
@@ -210,4 +228,6 @@ def engram(h, row_ids, w, cfg: ModelConfig):
             * jax.lax.rsqrt(mean_exact(key * key, axis=-1, keepdims=False) + eps))
     dot = jnp.sum(materialize(hf * weight) * key, axis=-1) * rstd * np.float32(D ** -0.5)
     gate = sigmoid(jnp.copysign(jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)), dot))
+    if live is not None:
+        gate = jnp.where(live[..., None], gate, 0.0)
     return round_to(hf + materialize(gate[..., None] * value[:, :, None, :]), dt)

@@ -18,8 +18,9 @@ from dsjax.weights import MoE
 from dsjax.numerics import div_exact, round_to, sigmoid, silu, softmax_exact, softplus, sum_in_order
 
 
-def route(x, token_ids, w: MoE, cfg: ModelConfig):
-    """x [n,D] -> (weights fp32 [n,k], expert ids int32 [n,k])."""
+def route(x, token_ids, w: MoE, cfg: ModelConfig, image_mask=None):
+    """x [n,D] -> (weights fp32 [n,k], expert ids int32 [n,k]). V4.1: tokens where `image_mask` [n] is set (image
+    spans) select experts with `gate_bias_vl` instead of `gate_bias` (official model.py, Gate)."""
     logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), w.gate.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     if cfg.gate_temp != 1.0:
@@ -33,7 +34,10 @@ def route(x, token_ids, w: MoE, cfg: ModelConfig):
     if w.tid2eid is not None:
         ids = w.tid2eid[token_ids].astype(jnp.int32)
     else:
-        _, ids = jax.lax.top_k(scores + w.gate_bias, cfg.n_activated_experts)
+        bias = w.gate_bias
+        if image_mask is not None and getattr(w, "gate_bias_vl", None) is not None:
+            bias = jnp.where(image_mask[:, None], w.gate_bias_vl, w.gate_bias)
+        _, ids = jax.lax.top_k(scores + bias, cfg.n_activated_experts)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.score_func != "softmax":
         weights = div_exact(weights, jnp.sum(weights, axis=-1, keepdims=True))
@@ -163,11 +167,12 @@ def expert_parallel(experts, x, weights, ids, w: MoE, cfg: ModelConfig):
                          check_vma=False)(x, weights, ids, routed)
 
 
-def moe(x, token_ids, w: MoE, cfg: ModelConfig):
-    """x [b,s,D], token_ids [b,s] -> [b,s,D]: routed experts (fp32 sum) + shared expert, in x's dtype."""
+def moe(x, token_ids, w: MoE, cfg: ModelConfig, image_mask=None):
+    """x [b,s,D], token_ids [b,s] -> [b,s,D]: routed experts (fp32 sum) + shared expert, in x's dtype.
+    `image_mask` [b,s] (V4.1): image-span tokens, routed with the VL bias."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    weights, ids = route(xf, token_ids.reshape(-1), w, cfg)
+    weights, ids = route(xf, token_ids.reshape(-1), w, cfg, None if image_mask is None else image_mask.reshape(-1))
     y = routed_experts(xf, weights, ids, w, cfg)
     y = y + shared_expert(xf, w, cfg).astype(jnp.float32)
     return round_to(y, x.dtype).reshape(shape)
