@@ -105,12 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the prompt text (raw completion, or a user turn with --chat)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
     gen.add_argument("--json", action="store_true", help="print one JSON object: prompt ids, token ids, text, stats")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image file (PNG, JPEG, WebP, GIF, BMP) placed before the prompt text; repeatable "
+                          "(V4.1 models with a vision tower)")
     add_generation_args(gen)
     gen.set_defaults(func=cmd_generate)
     ch = sub.add_parser("chat", help="interactive multi-turn chat (thinking toggle with /think, /nothink)")
     _add_model_args(ch)
     add_generation_args(ch)
-    ch.set_defaults(func=cmd_chat, chat=True, json=False, prompt=None)
+    ch.set_defaults(func=cmd_chat, chat=True, json=False, prompt=None, image=[])
     cv = sub.add_parser("convert", help="convert a checkpoint directory into a dsjax Orbax directory",
                         description="Convert a checkpoint directory into a dsjax Orbax directory (faster to load).")
     cv.add_argument("src", help="checkpoint directory (official or transformers layout)")

@@ -52,25 +52,32 @@ def _sampling_kwargs(args) -> dict:
     return kw
 
 
-def _prompt_ids(args, tok, family: str, thinking: bool, history=None) -> list[int]:
+def _prompt_ids(args, tok, family: str, thinking: bool, history=None, image_token_id: int = 129264) -> list[int]:
+    """The prompt's token ids; with `--image`, one image placeholder per image before the text (in the user turn
+    with --chat), which generation expands into the image's span."""
     from dsjax.chat import encode_messages_to_ids
 
+    images = list(getattr(args, "image", None) or [])
     if args.chat or history is not None:
         messages = list(history or [])
         if history is None:
             if args.system:
                 messages.append({"role": "system", "content": args.system})
-            messages.append({"role": "user", "content": args.prompt})
+            content = args.prompt
+            if images:
+                content = [{"type": "image_url", "image_url": {"url": path}} for path in images]
+                content.append({"type": "text", "text": args.prompt})
+            messages.append({"role": "user", "content": content})
         return encode_messages_to_ids(messages, family=family, thinking=thinking, tokenizer=tok)
-    return [0] + tok.encode(args.prompt)  # raw completion: BOS then the text
+    return [0] + [image_token_id] * len(images) + tok.encode(args.prompt)  # raw completion: BOS, images, text
 
 
-def run_stream(model, tok, ids, args, out=sys.stdout):
+def run_stream(model, tok, ids, args, out=sys.stdout, images=None):
     """Generate from `ids`, printing text as it arrives; returns (token ids, stats)."""
     dec = tok.incremental_decoder(skip_special_tokens=not args.show_special)
     meter = Speedometer()
     tokens = []
-    for new in model.stream([ids], args.max_new_tokens, **_sampling_kwargs(args)):
+    for new in model.stream([ids], args.max_new_tokens, images=images, **_sampling_kwargs(args)):
         tokens.extend(new[0])
         meter.update(len(new[0]))
         if not args.json:
@@ -91,11 +98,18 @@ def cmd_generate(args) -> int:
     model = dsjax.load(args.model, numerics=args.numerics, seed=args.weights_seed, max_seq_len=args.max_seq_len,
                        compilation_cache=args.compilation_cache)
     family = "v4.1" if model.cfg.family == "v4.1" else "v4"
+    if args.image and not model.cfg.vision_enabled:
+        raise InputError(f"--image: {model.cfg.name} has no vision tower (V4.1 models with vision_n_layers > 0 do)")
+    images = None
+    if args.image:
+        from dsjax.vision import load_rgb
+
+        images = [[load_rgb(path, name=path) for path in args.image]]  # bad files fail here, before any compile
     tok = load_tokenizer(family)
     if "random weights" in model.source and not args.json:
         print(f"[{model.source}: the text below is noise, not language]", file=sys.stderr)
-    ids = _prompt_ids(args, tok, family, args.thinking)
-    tokens, stats = run_stream(model, tok, ids, args)
+    ids = _prompt_ids(args, tok, family, args.thinking, image_token_id=model.cfg.image_token_id)
+    tokens, stats = run_stream(model, tok, ids, args, images=images)
     if args.json:
         print(json.dumps({"model": model.source, "prompt_ids": ids, "token_ids": tokens,
                           "text": tok.decode(tokens, skip_special_tokens=not args.show_special), "stats": stats}))
