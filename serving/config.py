@@ -35,6 +35,7 @@ class ServeConfig:
     max_request_bytes: int = 4 << 20
     drain_timeout: float = 30.0
     default_thinking: bool = True
+    allow_remote_images: bool = False  # fetch http(s) image_url parts (off: only data URLs are accepted)
     weights_seed: int = 0
     compilation_cache: str | None = "default"
     mem_fraction: float | None = None
@@ -138,6 +139,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds SIGTERM waits for running requests before aborting them")
     s.add_argument("--no-thinking", dest="default_thinking", action="store_false",
                    help="chat requests that do not say otherwise run without thinking (default: thinking on)")
+    s.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image_url parts (default: refused with a 400; data: URLs are always accepted)")
     s.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     e = p.add_argument_group("engine")
     e.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help="prompt tokens per row per prefill step")

@@ -100,6 +100,7 @@ class SlotEngine:
         self._pending_clear = np.zeros(slots, bool)
         self._pending_insert: dict[int, object] = {}                # slot -> cached row state to start from
         self._full_prompt: list[np.ndarray | None] = [None] * slots
+        self._vision: list[tuple | None] = [None] * slots  # (span rows, index over the full prompt) of image rows
         self.cache = PrefixCache(prefix_cache_entries)
 
     def _fresh_device_state(self) -> None:
@@ -116,13 +117,23 @@ class SlotEngine:
         return [b for b in range(self.slots) if self.prompt[b] is None and not self.decoding[b]]
 
     def join(self, slot: int, prompt: list[int], max_new_tokens: int, sampling: RowSampling,
-             top_logprobs: int = 0, start=None) -> int:
+             top_logprobs: int = 0, start=None, images=None) -> int:
         """Put a request into a free slot; its prompt is prefilled by the next `prefill_step` calls.
         `start`: a state row holding the KV of the prompt's first `start.tokens` tokens (a KV handoff), used when
-        longer than the prefix cache's match. Returns how many prompt tokens are not prefilled again."""
+        longer than the prefix cache's match. `images`: the prompt's images (a dsjax.vision PreparedPrompt whose
+        ids are `prompt`); their spans are encoded here and the row never shares KV (the spans' token ids do not
+        identify the image). Returns how many prompt tokens are not prefilled again."""
         assert self.prompt[slot] is None and not self.decoding[slot], f"slot {slot} is busy"
         full = np.asarray(prompt, np.int32)
-        cached, row = self.cache.lookup(full)
+        self._vision[slot] = None
+        if images is not None and images.images:
+            from dsjax.vision.inputs import encode_spans
+
+            with self.model._on_mesh():
+                self._vision[slot] = encode_spans(self.params, self.cfg, images)
+            cached, row, start = 0, None, None
+        else:
+            cached, row = self.cache.lookup(full)
         if start is not None and cached < start.tokens < len(full):
             cached, row = start.tokens, start.row
         self._full_prompt[slot] = full
@@ -212,9 +223,10 @@ class SlotEngine:
         ends[ended] = True
         with self.model._on_mesh():
             self._apply_joins()
+            image = self._chunk_images(rows, C)
             self.state, tok, lp, top_ids, top_lp, last_h, pen = prefill(
                 self.params, jnp.asarray(tokens), jnp.asarray(nxt), self.state, jnp.asarray(n_valid),
-                jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(), cfg=self.cfg, K=K,
+                jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(), image, cfg=self.cfg, K=K,
                 mtp=self.k > 0)
             if pen is not None:
                 self.counts = pen.counts
@@ -224,7 +236,8 @@ class SlotEngine:
                 return []
             if self.cache.capacity:
                 for b in ended:
-                    self.cache.store(self._full_prompt[b], take_row(self.state, jnp.int32(b)))
+                    if self._vision[b] is None:
+                        self.cache.store(self._full_prompt[b], take_row(self.state, jnp.int32(b)))
             mask = jnp.asarray(ends)
             self.last = jnp.where(mask, tok, self.last)
             if self.k:
@@ -240,6 +253,28 @@ class SlotEngine:
             top = [list(zip(top_ids[b].tolist(), top_lp[b].tolist()))[:self.wants_top[b]]] if K else [[]]
             out.append(StepOutput(b, [t], [float(lp[b])], top, finished))
         return out
+
+    def _chunk_images(self, rows, C: int):
+        """The model's `image` argument for this prefill chunk: (span rows, index [slots, C]), or None when no row's
+        chunk holds an image position."""
+        parts, where = [], []
+        for b in rows:
+            if self._vision[b] is None:
+                continue
+            done = len(self._full_prompt[b]) - len(self.prompt[b])
+            if (self._vision[b][1][done:done + C] >= 0).any():
+                parts.append(self._vision[b])
+                where.append((b, done))
+        if not parts:
+            return None
+        from dsjax.vision.inputs import merge
+
+        span_rows, index = merge(parts)
+        chunk = np.full((self.slots, C), -1, np.int32)
+        for (b, done), idx in zip(where, index):
+            part = idx[done:done + C]
+            chunk[b, :len(part)] = part
+        return span_rows, jnp.asarray(chunk)
 
     def _start_pending(self, mask, last_h, tok) -> None:
         """Speculative rows start with one pending position: the prompt's last (its streams, the first token)."""

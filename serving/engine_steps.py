@@ -31,8 +31,8 @@ def join_rows(state, counts, reset, clear, *, cfg: ModelConfig, max_seq: int, wi
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "K", "mtp"), donate_argnames=("state",))
-def prefill(params, tokens, next_tokens, state, n_valid, n_mtp, ends, sp: SamplingParams, pen: Penalties | None, *,
-            cfg: ModelConfig, K: int, mtp: bool):
+def prefill(params, tokens, next_tokens, state, n_valid, n_mtp, ends, sp: SamplingParams, pen: Penalties | None,
+            image=None, *, cfg: ModelConfig, K: int, mtp: bool):
     """One prompt chunk tokens [B, C] for the rows with n_valid > 0, and a first token sampled at each row's last
     valid position (what `generate` samples after the prompt: same position, same key), counted in `pen` for the
     rows that `ends`. Only the last position's logits are computed — a whole chunk's [B, C, vocab] would dwarf
@@ -40,7 +40,7 @@ def prefill(params, tokens, next_tokens, state, n_valid, n_mtp, ends, sp: Sampli
     is known, and the last position's streams come back for the first draft."""
     B, C = tokens.shape
     start = state.lengths
-    h, state = forward_hidden_chunk(params, cfg, tokens, state, n_valid)
+    h, state = forward_hidden_chunk(params, cfg, tokens, state, n_valid, image=image)
     if mtp:
         _, ring = mtp_hidden(params, cfg, h, next_tokens, state.mtp[0], start, n_mtp)
         state = dataclasses.replace(state, mtp=(ring,))

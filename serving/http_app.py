@@ -203,18 +203,21 @@ def build_app(svc: Service, *, api_key: ApiKey, max_request_bytes: int = 1 << 20
     async def metrics_route(request: Request):
         return Response(metrics.exposition(), media_type=metrics.content_type) if metrics else Response(status_code=404)
 
-    async def run(request: Request, p: GenParams, ids: list[int], *, chat: bool, thinking: bool, max_tokens: int):
+    async def run(request: Request, p: GenParams, ids: list[int], *, chat: bool, thinking: bool, max_tokens: int,
+                  images=None):
         """Submit the request (n of them for `n` choices: seeds seed, seed+1, ...) and answer, streamed or whole."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         subs: list[tuple[str, object]] = []
         key = p.conversation or request.headers.get("x-conversation-id")
-        conv = await svc.conversation(key, api_key.tenant(request.headers.get("authorization")), ids)
+        # image spans carry the same token id whatever the image: their KV is never shared between requests
+        conv = None if images is not None else await svc.conversation(
+            key, api_key.tenant(request.headers.get("authorization")), ids)
         try:
             for i in range(p.n):
                 sampling = dataclasses.replace(p.sampling, seed=p.sampling.seed + i)
                 subs.append(svc.submit(ids, max_tokens, sampling=sampling, top_logprobs=p.top_logprobs,
                                        stop_token_ids=p.stop_token_ids, request_id=rid if p.n == 1 else f"{rid}-{i}",
-                                       conversation=conv if i == 0 else None))
+                                       conversation=conv if i == 0 else None, images=images))
         except ApiError:
             for sid, _ in subs:
                 svc.abort(sid)
@@ -339,8 +342,12 @@ def build_app(svc: Service, *, api_key: ApiKey, max_request_bytes: int = 1 << 20
         p = parse_chat(await _read_json(request, max_request_bytes), svc.limits)
         svc.check_model(p.model)
         ids, thinking = svc.chat_prompt(p)
+        images = None
+        if p.images:
+            images = svc.image_prompt(ids, p.images)
+            ids = images.ids.tolist()
         max_tokens = svc.budget(ids, p.max_tokens, "messages")
-        return await run(request, p, ids, chat=True, thinking=thinking, max_tokens=max_tokens)
+        return await run(request, p, ids, chat=True, thinking=thinking, max_tokens=max_tokens, images=images)
 
     async def completions(request: Request):
         p = parse_completion(await _read_json(request, max_request_bytes), svc.limits)

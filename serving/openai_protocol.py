@@ -40,6 +40,8 @@ class Limits:
     max_n: int = 16
     max_logit_bias: int = 300     # entries, as OpenAI
     speculative: bool = False     # the server decodes with MTP drafts: penalties and top_logprobs are refused
+    max_images: int = 8           # image_url parts per request
+    fetch_remote_images: bool = False  # http(s) image URLs are fetched only when the server enables it
 
 
 @dataclasses.dataclass
@@ -61,6 +63,7 @@ class GenParams:
     thinking: bool | None = None
     reasoning_effort: Any = None
     tools: list[dict] | None = None
+    images: list | None = None        # decoded RGB arrays of the image_url parts, in order (V4.1 vision)
     conversation: str | None = None  # prompt_cache_key (or the X-Conversation-Id header): names the KV to reuse
     # completions only
     prompt: str | list[int] | None = None
@@ -194,17 +197,22 @@ def parse_chat(body: dict, limits: Limits) -> GenParams:
         raise bad("messages", "messages must be a non-empty list")
     if len(messages) > limits.max_messages:
         raise bad("messages", f"at most {limits.max_messages} messages")
+    images: list = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise bad(f"messages[{i}]", "each message needs a role: system, developer, user, assistant or tool")
         content = m.get("content")
-        if isinstance(content, list):  # text parts only
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise bad(f"messages[{i}].content", "only text content parts are supported")
+        if isinstance(content, list):  # text and image_url parts
+            for j, c in enumerate(content):
+                if isinstance(c, dict) and c.get("type") == "image_url":
+                    images.append(_image_part(c, f"messages[{i}].content[{j}]", limits, len(images)))
+                elif not (isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)):
+                    raise bad(f"messages[{i}].content[{j}]", "content parts must be {type: text, text} or "
+                                                             "{type: image_url, image_url: {url}}")
         elif content is not None and not isinstance(content, str):
-            raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
+            raise bad(f"messages[{i}].content", "content must be a string or a list of text / image_url parts")
     p.messages = [_plain_message(m) for m in messages]
+    p.images = images or None
     p.logprobs = _flag(body, "logprobs")
     p.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     if p.top_logprobs and not p.logprobs:
@@ -229,11 +237,58 @@ def parse_chat(body: dict, limits: Limits) -> GenParams:
     return p
 
 
+def _image_part(part: dict, where: str, limits: Limits, count: int):
+    """An OpenAI image_url part -> uint8 [H, W, 3]: data URLs decoded here; http(s) URLs fetched only when the server
+    allows it. Bad images are a 400 naming the part."""
+    from dsjax.errors import ImageError
+    from dsjax.vision.decode import MAX_BYTES, data_url_bytes, decode_image
+
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise bad(f"{where}.image_url", "image_url must be {url: 'data:image/png;base64,...'}")
+    if count >= limits.max_images:
+        raise bad(where, f"at most {limits.max_images} images per request")
+    try:
+        if url.startswith("data:"):
+            data = data_url_bytes(url, name=f"{where}.image_url")
+        elif url.startswith(("http://", "https://")):
+            if not limits.fetch_remote_images:
+                raise bad(f"{where}.image_url", "remote image URLs are not fetched by this server; send the image "
+                                                "inline as a data URL (data:image/png;base64,...), or start the "
+                                                "server with --allow-remote-images")
+            data = _fetch(url, MAX_BYTES, f"{where}.image_url")
+        else:
+            raise bad(f"{where}.image_url", "image_url must be a data: URL (data:image/png;base64,...)"
+                                            + (" or an http(s) URL" if limits.fetch_remote_images else ""))
+        return decode_image(data, name=f"{where}.image_url")
+    except ImageError as e:
+        raise bad(f"{where}.image_url", str(e)) from None
+
+
+def _fetch(url: str, max_bytes: int, where: str) -> bytes:
+    """GET an image (servers started with --allow-remote-images only); 10 s timeout, size-limited."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "dsjax"}), timeout=10) as r:
+            data = r.read(max_bytes + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise bad(where, f"could not fetch {url!r}: {e}") from None
+    if len(data) > max_bytes:
+        raise bad(where, f"{url!r} is larger than {max_bytes:,} bytes")
+    return data
+
+
 def _plain_message(m: dict) -> dict:
     out = dict(m)
     if out.get("role") == "developer":
         out["role"] = "system"
-    if isinstance(out.get("content"), list):
+    if isinstance(out.get("content"), list) and any(part["type"] == "image_url" for part in out["content"]):
+        # the chat encoding writes one image placeholder per image part (V4.1; V4 refuses them by name)
+        out["content"] = [{"type": "image_url"} if part["type"] == "image_url" else part for part in out["content"]]
+    elif isinstance(out.get("content"), list):
         out["content"] = "".join(part["text"] for part in out["content"])
     if out.get("content") is None:
         out["content"] = ""

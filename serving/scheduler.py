@@ -61,6 +61,7 @@ class Request:
     start: object = None             # kv_handoff.Start: a state row to start from
     kv_source: str = "recompute"
     output: list[int] = dataclasses.field(default_factory=list)
+    images: object = None            # dsjax.vision PreparedPrompt: the prompt's images (V4.1 vision)
 
 
 class OutputStream:
@@ -204,6 +205,8 @@ class Scheduler:
             req.slot = slot
             self._slot_owner[slot] = req
             extra = {"start": req.start} if req.start is not None else {}
+            if req.images is not None:
+                extra["images"] = req.images
             req.cached_tokens = self.engine.join(slot, req.prompt, req.max_tokens, req.sampling, req.top_logprobs,
                                                  **extra)
             used = req.start is not None and req.cached_tokens == req.start.tokens

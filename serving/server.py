@@ -121,8 +121,10 @@ def build(cfg: ServeConfig, model=None):
     info = ModelInfo(id=cfg.model_id, source=model.source, family=family, max_model_len=model.max_seq_len,
                      max_num_seqs=cfg.max_num_seqs, vocab_size=model.cfg.vocab_size,
                      eos_token_id=model.cfg.eos_token_id)
-    limits = Limits(max_model_len=model.max_seq_len, max_logprobs=0 if k else cfg.max_logprobs, speculative=k > 0)
-    return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics, kv=kv)
+    limits = Limits(max_model_len=model.max_seq_len, max_logprobs=0 if k else cfg.max_logprobs, speculative=k > 0,
+                    fetch_remote_images=cfg.allow_remote_images)
+    return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics, kv=kv,
+                   vision_cfg=model.cfg if model.cfg.vision_enabled else None)
 
 
 def _kv_handoff(cfg: ServeConfig, model, engine, metrics):

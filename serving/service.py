@@ -28,9 +28,10 @@ class ModelInfo:
 
 class Service:
     def __init__(self, info: ModelInfo, tokenizer: Tokenizer, scheduler: Scheduler, limits: Limits, *,
-                 default_thinking: bool = True, metrics=None, kv=None):
+                 default_thinking: bool = True, metrics=None, kv=None, vision_cfg=None):
         self.info, self.tokenizer, self.scheduler, self.limits = info, tokenizer, scheduler, limits
         self.default_thinking, self.metrics, self.kv = default_thinking, metrics, kv
+        self.vision_cfg = vision_cfg  # the ModelConfig of a V4.1 model with a vision tower, else None
         self.ready = False  # set after warm-up; cleared on drain
 
     def check_model(self, name: str) -> None:
@@ -49,6 +50,23 @@ class Service:
         except (ChatEncodingError, ValueError, TypeError, KeyError) as e:
             raise bad("messages", f"messages could not be encoded: {e}") from None
         return ids, thinking
+
+    def image_prompt(self, ids: list[int], images: list):
+        """Chat ids holding one image placeholder per image -> the images preprocessed and the placeholders expanded
+        (dsjax.vision.PreparedPrompt); the ViT runs when the request joins the engine."""
+        from dsjax.errors import ImageError
+        from dsjax.vision.inputs import prepare_prompt
+
+        if self.vision_cfg is None:
+            raise bad("messages", f"image_url parts: the model {self.info.id!r} has no vision tower "
+                                  "(DeepSeek-V4.1 with vision_config takes images)")
+        found = sum(t == self.vision_cfg.image_token_id for t in ids)
+        if found != len(images):
+            raise bad("messages", f"the encoded messages hold {found} image placeholder(s) for {len(images)} image(s)")
+        try:
+            return prepare_prompt(self.vision_cfg, ids, images, name="image_url")
+        except ImageError as e:
+            raise bad("messages", str(e)) from None
 
     def completion_prompt(self, p: GenParams) -> list[int]:
         if isinstance(p.prompt, str):
@@ -77,8 +95,8 @@ class Service:
         return max_tokens
 
     def submit(self, ids: list[int], max_tokens: int, *, sampling: RowSampling, top_logprobs: int = 0,
-               stop_token_ids=(), request_id: str | None = None, conversation: tuple[str, object] | None = None
-               ) -> tuple[str, OutputStream]:
+               stop_token_ids=(), request_id: str | None = None, conversation: tuple[str, object] | None = None,
+               images=None) -> tuple[str, OutputStream]:
         """Queue a request; its outputs arrive on the returned stream. Raises ApiError 429 / 503."""
         for t in stop_token_ids:
             if not 0 <= t < self.info.vocab_size:
@@ -94,7 +112,7 @@ class Service:
         rid = request_id or uuid.uuid4().hex
         stream = OutputStream()
         req = Request(id=rid, prompt=list(ids), max_tokens=max_tokens, sampling=sampling, top_logprobs=top_logprobs,
-                      stop_token_ids=frozenset(stop_token_ids), emit=stream.emit)
+                      stop_token_ids=frozenset(stop_token_ids), emit=stream.emit, images=images)
         if conversation is not None:
             req.conversation, req.start = conversation
         try:
