@@ -192,7 +192,8 @@ for name, p in plans.items():
     print(f"  total {kv['global_bytes_per_token']:g} B/token -> {kv['global_bytes_per_token'] * 2**20 / 2**30:.2f} "
           f"GiB for a 1M-token sequence; windows {kv['window_bytes_per_sequence'] / 1e6:.2f} MB per sequence\n")
 
-ratio = plans["v4-flash"]["kv_layout"]["global_bytes_per_token"] / plans["v4.1-flash"]["kv_layout"]["global_bytes_per_token"]
+per_token = {name: p["kv_layout"]["global_bytes_per_token"] for name, p in plans.items()}
+ratio = per_token["v4-flash"] / per_token["v4.1-flash"]
 print(f"V4.1-Flash keeps {1 / ratio:.0%} of V4-Flash's KV bytes per token ({ratio:.2f}x less)")
 
 # %%
@@ -232,8 +233,9 @@ plt.show()
 #
 # Now on `tiny-v4` (window 32, CSA ratio 4 with top-8, HCA ratio 16), over a 192-token sequence of random
 # token ids. We run the model's own blocks up to the CSA layer 1, then the indexer exactly as `attention` does:
-# index queries against the index-key cache, scores masked to the **complete** groups (entry *j* covers tokens
-# 4j .. 4j+3 and becomes visible once token 4j+3 has been seen), top-k.
+# index queries against the index-key cache, scores masked to the **complete** groups (entry *j* stands for
+# tokens 4j .. 4j+3 and becomes visible once token 4j+3 has been seen; ratio-4 entries also pool half their
+# channels from the 4 tokens before), top-k.
 
 # %%
 tiny = dsjax.load("tiny-v4", max_seq_len=256, max_batch=1)
@@ -271,7 +273,8 @@ print(f"picks {picks.shape}: query {S - 1} reads entries {sorted(picks[-1].tolis
 # %% [markdown]
 # Left: for every query position (row), the tokens its keys come from — the raw **window** (the last 32
 # tokens, grey), and the tokens summarised by the **picked compressed entries** (blue: each pick covers 4
-# tokens; cyan where a pick overlaps the window). Tokens older than the window that were not picked are not read at all. Right: the indexer scores
+# tokens; cyan where a pick overlaps the window). Tokens older than the window that were not picked are not
+# read at all. Right: the indexer scores
 # behind the picks (white where an entry is not yet complete; the staircase is causality at group granularity).
 # Checks: every query picks exactly min(k, complete groups) entries, never an incomplete one. Nothing stops the
 # indexer from spending picks on entries its window already holds raw (cyan), as the reference does too; how
@@ -309,11 +312,11 @@ plt.show()
 
 # %% [markdown]
 # **HCA coverage.** An HCA layer needs no indexer: a query at position *t* reads every completed entry
-# (entries 0 .. ⌊(t+1)/r⌋ − 1, covering tokens 0 .. r·⌊(t+1)/r⌋ − 1) plus its window. As long as the window is at
-# least the ratio (`window_size ≥ r`: 32 ≥ 16 here, 128 ≥ 128 in V4-Flash), the two together cover the **whole**
-# past with no gap — the tokens of the group still being filled are always inside the window. The plot shows
-# that split for `tiny-v4`'s layer 2 (computed from the same `compressed_visible` mask `attention` uses), and
-# checks that nothing is left uncovered.
+# (entries 0 .. ⌊(t+1)/r⌋ − 1, covering tokens 0 .. r·⌊(t+1)/r⌋ − 1) plus its window. As long as the window
+# is at least the ratio (`window_size ≥ r`: 32 ≥ 16 here, 128 ≥ 128 in V4-Flash), the two together cover the
+# **whole** past with no gap — the tokens of the group still being filled are always inside the window. The
+# plot shows that split for `tiny-v4`'s layer 2 (computed from the same `compressed_visible` mask `attention`
+# uses), and checks that nothing is left uncovered.
 
 # %%
 r = cfg.layer_ratio(HCA)
@@ -326,7 +329,8 @@ for t in range(S):
     assert (cover[t, : t + 1] > 0).all(), f"query {t} misses part of its past"
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-ax1.imshow(cover, cmap=plt.matplotlib.colors.ListedColormap(["white", "#999999", "#ff7f0e", "#bcbd22"]), vmin=0, vmax=3,
+ax1.imshow(cover, cmap=plt.matplotlib.colors.ListedColormap(["white", "#999999", "#ff7f0e", "#bcbd22"]), vmin=0,
+           vmax=3,
            interpolation="nearest", aspect="auto")
 ax1.set_xlabel("key token position")
 ax1.set_ylabel("query position")
@@ -348,7 +352,7 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# At a 1M-token context a V4-Flash query reads 640 keys in a CSA layer (covering 2,048 + 128 tokens exactly)
+# At a 1M-token context a V4-Flash query reads 640 keys in a CSA layer (standing for 2,048 + 128 tokens)
 # and 8,320 in an HCA layer (covering everything at 128x compression) instead of a million: CSA gives precise
 # recall of what the indexer deems relevant, HCA a coarse view of all of it, and alternating the two gives
 # every second layer both. That bounded read per query is what keeps decode memory-bound on the *weights*, not

@@ -212,7 +212,8 @@ plt.show()
 # %%
 alpha_grid = np.linspace(0.5, 0.999, 5000)
 implied = alpha_grid[np.argmin(np.abs(expected_length(alpha_grid, 5) - 5.6))]
-print(f"E[L] = 5.6 at k = 5  <=>  α ≈ {implied:.3f}; at α = 0.97 the closed form gives {expected_length(0.97, 5):.2f}")
+print(f"E[L] = 5.6 at k = 5  <=>  α ≈ {implied:.3f}; "
+      f"at α = 0.97 the closed form gives {expected_length(0.97, 5):.2f}")
 
 # %% [markdown]
 # ## 3. The distribution check: rejection sampling is lossless
@@ -265,6 +266,7 @@ plt.show()
 
 # %% [markdown]
 # The accepted-draft path and the residual path each produce a distorted distribution; only their sum,
-# α·(min(p, q)/α) + (1 − α)·(max(p − q, 0)/(1 − α)) = p, is the target — the whole reason the residual exists.
+# α·(min(p, q)/α) + (1 − α)·(max(p − q, 0)/(1 − α)) = p, is the target — the whole reason the residual
+# exists.
 # The test suite runs the same chi-square check on `accept` with top-k filtering and on the DSpark loop's
 # Markov-conditioned drafts.

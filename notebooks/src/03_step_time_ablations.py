@@ -72,14 +72,15 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# On this slice, the Pallas kernels (`auto` picks them where they were measured faster) **halve** the verify
+# In the shipped sample, the Pallas kernels (`auto` picks them where they were measured faster) **halve** the verify
 # step against XLA alone, and `pallas` vs `auto` is within noise — `auto` mixes in XLA only where it won.
 # Even so the step is at about a fifth of its floor: most of the time is not spent streaming bytes.
 #
 # ## 2. Where the floor's bytes go
 #
 # The floor is a sum of terms (`step_bytes`). Splitting it shows what a faster step would have to read less of.
-# On the 4-layer slice the **MTP draft** dominates: 5 drafts each read the LM head (1.06 GB in bf16) and the MTP
+# In the shipped sample's 4-layer slice the **MTP draft** dominates: 5 drafts each read the LM head (1.06 GB in
+# bf16) and the MTP
 # block, while 4 layers of backbone are small. At full depth (the proxy's `full_bytes`) the routed experts
 # take over — a 6-token verify touches ~34 distinct experts of 256 per layer, not 6.
 
@@ -91,7 +92,8 @@ def bytes_of(step_bytes):
 
 parts = {}
 if "kernels" in reports:
-    parts[f"slice, verify {base['k'] + 1}\n({reports['kernels']['config']})"] = bytes_of(reports["kernels"]["points"][0]["bytes"])
+    slice_point = reports["kernels"]["points"][0]
+    parts[f"slice, verify {base['k'] + 1}\n({reports['kernels']['config']})"] = bytes_of(slice_point["bytes"])
 if "proxy" in reports:
     for row in reports["proxy"]["proxy"]["rows"]:
         parts[f"full {reports['proxy']['proxy']['full_layers']} layers\n{row['step']}"] = bytes_of(row["full_bytes"])
@@ -104,7 +106,8 @@ for i, term in enumerate(("dense_weights", "routed_experts", "kv", "head", "draf
     ax.barh(labels, vals, left=left, color=f"C{i}", label=term.replace("_", " "))
     left += vals
 for y, total in enumerate(left):
-    ax.text(total, y, f" {total:.1f} GB = {total / COPY * 1e3:.2f} ms at {COPY / 1e3:.2f} TB/s", va="center", fontsize=8)
+    ax.text(total, y, f" {total:.1f} GB = {total / COPY * 1e3:.2f} ms at {COPY / 1e3:.2f} TB/s", va="center",
+            fontsize=8)
 ax.set_xlabel("GB a step must read (the floor = this / copy bandwidth)")
 ax.set_xlim(0, left.max() * 1.45)
 ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, 1.18), frameon=False)
@@ -171,7 +174,8 @@ if "proxy" in reports:
         ax1.plot([Lf], [row["full_floor_ms"]], "_", ms=20, mew=2, color=f"C{i}")
         print(f"{row['step']:<28} t0 {t0:5.2f} ms + {per_layer:.3f} ms/layer -> {row['full_ms_extrapolated']:.1f} ms "
               f"(floor {row['full_floor_ms']:.2f} ms, {row['fraction_of_floor']:.0%}); "
-              f"{row['full_tokens_per_s_extrapolated']:.0f} tokens/s at acceptance length {row['acceptance_length']:.2f}"
+              f"{row['full_tokens_per_s_extrapolated']:.0f} tokens/s at acceptance length "
+              f"{row['acceptance_length']:.2f}"
               + (" (simulated)" if row["acceptance"] == "simulated" else ""))
     ax1.set_xlabel("layers")
     ax1.set_ylabel("ms per step")
@@ -186,7 +190,8 @@ if "proxy" in reports:
 
 # %% [markdown]
 # The intercept t₀ is the part of a step that does not grow with depth. For plain decode it is small; for the
-# verify step it is about 7 ms — mostly the draft, whose 5 MTP passes and LM-head reads run one after another
+# verify step in the shipped sample it is about 7 ms — mostly the draft, whose 5 MTP passes and LM-head reads
+# run one after another
 # (§2 showed the draft's bytes; at ~7 ms it also runs far below their floor). On the full model that is a tenth
 # of the step, on the 4-layer slice more than half of it: slice timings alone overstate the draft's share.
 #
@@ -208,7 +213,8 @@ if "proxy" in reports:
     speedup = length * t_dec / t_ver
     even = alpha[np.argmax(speedup >= 1)]
     print(f"k = {k}: verify {t_ver:.1f} ms vs decode {t_dec:.1f} ms -> needs E[L] > {t_ver / t_dec:.2f}, "
-          f"i.e. α > {even:.2f}; at α = {base['alpha']} speculation gives {np.interp(base['alpha'], alpha, speedup):.2f}x")
+          f"i.e. α > {even:.2f}; at α = {base['alpha']} speculation gives "
+          f"{np.interp(base['alpha'], alpha, speedup):.2f}x")
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     ax.plot(alpha, 1e3 * length / t_ver, label=f"speculative, k = {k} (extrapolated step time)")
     ax.axhline(1e3 / t_dec, color="k", ls="--", label="plain decode")

@@ -150,7 +150,8 @@ rotated = np.asarray(quant.fp4_e2m1_sim(hv, 32))
 back = np.asarray(quant.hadamard(jnp.asarray(rotated)))  # H/√n is symmetric and orthogonal: its own inverse
 
 dots = np.sum(v * k_, 1)
-print(f"Hadamard keeps dot products: max |Δ| {np.max(np.abs(np.sum(np.asarray(hv) * np.asarray(quant.hadamard(jnp.asarray(k_))), 1) - dots)):.1e}")
+rotated_dots = np.sum(np.asarray(hv) * np.asarray(quant.hadamard(jnp.asarray(k_))), 1)
+print(f"Hadamard keeps dot products: max |Δ| {np.max(np.abs(rotated_dots - dots)):.1e}")
 print(f"FP4 of the raw vectors:     SQNR {sqnr_db(v, plain):5.1f} dB, zeroed {np.mean(plain == 0):.0%} of values")
 print(f"FP4 after the rotation:     SQNR {sqnr_db(v, back):5.1f} dB, zeroed {np.mean(rotated == 0):.0%} of values")
 assert sqnr_db(v, back) > sqnr_db(v, plain) + 3
@@ -203,7 +204,8 @@ def bytes_by_format(cfg):
         out[kind] = out.get(kind, 0) + int(np.prod(info.shape)) * np.dtype(info.dtype).itemsize
 
     tree = describe(cfg)
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: isinstance(n, Linear) or is_info(n))[0]:
+    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: isinstance(n, Linear) or is_info(n))[0]
+    for path, node in nodes:
         if isinstance(node, Linear):
             add({"fp8": "FP8 e4m3", "fp4": "FP4 e2m1 (packed)", "bf16": "bf16"}[node.fmt], node.weight)
             if node.scale is not None:
