@@ -11,12 +11,13 @@ BENCHES = {
     "ablate": ("dsjax.bench.ablate", "step time vs kernels, draft length, steps per dispatch, context, batch; "
                                      "the layer-slice proxy beside the roofline"),
     "prefill": ("dsjax.bench.prefill", "prompt tokens/s and MFU at 8k-128k on a layer slice; the 1M projection"),
+    "tp": ("dsjax.bench.tp", "decode/verify step, prefill, all-reduce time and logits at several TP degrees"),
     "peer": ("dsjax.bench.peer", "transformers' DeepseekV4ForCausalLM and dsjax on the same GPU and weights"),
 }
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (GPU): repro, ablate, prefill, peer",
+    bench = sub.add_parser("bench", help="benchmarks (GPU): repro, ablate, prefill, tp, peer",
                            description="Benchmarks. Each prints and saves a JSON report with its method.")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, (module, text) in BENCHES.items():

@@ -109,3 +109,76 @@ def test_ablation_tables_and_plots(tmp_path):
     text = open(md).read()
     assert "| 5 | 8.00 | 1.75 | 20% |" in text and "dsjax bench ablate --sweeps k" in text
     assert os.path.getsize(tmp_path / "ablate-k.png") > 1000
+
+
+def test_collective_ops_read_partitioned_hlo():
+    from dsjax.bench.collectives import _bytes, collective_ops
+
+    hlo = "\n".join([
+        '  %ar = f32[8,4096]{1,0} all-reduce(f32[8,4096]{1,0} %x), replica_groups={{0,1}}, to_apply=%add',
+        '  %t = (f32[64]{0}, bf16[2,3]{1,0}) all-reduce-start(f32[64]{0} %a, bf16[2,3]{1,0} %b), to_apply=%add',
+        '  %ag = bf16[4,129280]{1,0} all-gather(bf16[4,64640]{1,0} %l), dimensions={1}',
+        '  %m = f32[8,4096]{1,0} multiply(f32[8,4096]{1,0} %ar, f32[8,4096]{1,0} %ar)',
+        '  %s = f32[]{} all-reduce(f32[]{} %c), to_apply=%add'])
+    ops = collective_ops(hlo)
+    assert ops == [("all-reduce", (("f32", (8, 4096)),)), ("all-reduce", (("f32", (64,)), ("bf16", (2, 3)))),
+                   ("all-gather", (("bf16", (4, 129280)),)), ("all-reduce", (("f32", ()),))]
+    assert _bytes(ops[1][1]) == 64 * 4 + 6 * 2
+
+
+def test_tp_all_reduce_accounting_on_two_devices():
+    """On two CPU devices (a subprocess): the all-reduces of a compiled row-parallel matmul are found in its HLO
+    and each is timed on the mesh (count and shape asserted; the timings only checked to be positive)."""
+    import subprocess
+    import sys
+
+    code = """
+import json, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from dsjax import sharding
+from dsjax.bench.collectives import collective_ops, time_all_reduces
+mesh = sharding.make_mesh(2, 1)
+x = jax.device_put(jnp.ones((4, 256), jnp.float32), NamedSharding(mesh, P(None, "tp")))
+w = jax.device_put(jnp.ones((256, 128), jnp.float32), NamedSharding(mesh, P("tp", None)))
+f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P()))
+ops = collective_ops(f.lower(x, w).compile().as_text())
+print(json.dumps(time_all_reduces(ops, mesh, n_short=2, n_long=12)))
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(r)
+    assert r["all_reduces"] == 1 and r["by_shape"][0]["arrays"] == ["f32[4, 128]"]
+    assert r["by_shape"][0]["count"] == 1 and r["all_reduce_ms_per_step"] >= 0.0
+
+
+def test_tp_comparison_against_the_first_degree():
+    from dsjax.bench.tp import _public, compare
+
+    def run(tp, ms, prefill_s, logits, tokens):
+        return {"tp": tp, "prefill_s": prefill_s, "last_logits": np.asarray(logits, np.float32),
+                "decode": {"ms_per_step": ms, "tokens": tokens}, "verify": {"ms_per_step": 2 * ms}}
+
+    runs = [run(1, 4.0, 1.0, [1.0, 3.0, 2.0], [[5, 6, 7, 8], [1, 2, 3, 4]]),
+            run(2, 2.5, 0.6, [1.0, 2.5, 2.75], [[5, 6, 9, 8], [1, 2, 3, 4]])]
+    compare(runs)
+    two = runs[1]
+    assert two["decode"]["speedup_vs_first"] == pytest.approx(1.6)
+    assert two["decode"]["scaling_efficiency"] == pytest.approx(0.8)
+    assert two["verify"]["scaling_efficiency"] == pytest.approx(0.8)
+    assert two["prefill_scaling_efficiency"] == pytest.approx(1.0 / 0.6 / 2)
+    assert two["logits"] == {"max_abs_diff_vs_first": 0.75, "scale": 3.0, "argmax_equal": False}
+    assert two["decode"]["greedy_equal_prefix"] == 2 and two["decode"]["greedy_compared"] == 4
+    assert "last_logits" not in _public(runs)[1] and "tokens" not in _public(runs)[1]["decode"]
+
+
+def test_tp_slice_family_splits_eight_ways():
+    from dsjax import sharding
+    from dsjax.bench.slices import full_config, parse_slice
+
+    cfg = slice_config(*parse_slice("slice:tiny-v4-tp:3")[1:], family="tiny-v4-tp", pattern="model")
+    assert full_config(cfg).n_heads == 8 and cfg.n_layers == 3
+    from jax.sharding import AbstractMesh
+    mesh = AbstractMesh((1, 8), sharding.MESH_AXES)
+    sharding.param_shardings(cfg, mesh)   # raises ConfigError where a split does not divide

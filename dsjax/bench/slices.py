@@ -18,16 +18,19 @@ from dsjax.config import ModelConfig, preset
 from dsjax.errors import ConfigError
 from dsjax.state import init_state
 
-SLICE_FAMILIES = {"v4-flash": "v4-flash", "tiny-v4": "tiny-v4"}  # tiny-v4: CPU tests of the same path
+# family -> (preset, overrides). tiny-v4: CPU tests of the same path; tiny-v4-tp: its shapes widened so every
+# tensor-parallel split of up to 8 devices divides (CPU tests of `dsjax bench tp`)
+SLICE_FAMILIES = {"v4-flash": ("v4-flash", {}), "tiny-v4": ("tiny-v4", {}),
+                  "tiny-v4-tp": ("tiny-v4", dict(n_heads=8, o_groups=8, o_lora_rank=128, moe_inter_dim=1024,
+                                                 index_n_heads=16))}
 DEFAULT_SLICE_LAYERS = 8
 
 
 def slice_config(layers: int, experts: int = 256, *, family: str = "v4-flash", pattern: str = "cycle"
                  ) -> ModelConfig:
     """V4-Flash with `layers` layers (kinds per `pattern`) and `experts` routed experts."""
-    if family not in SLICE_FAMILIES:
-        raise ConfigError(f"no layer slice for {family!r}; slices exist for {', '.join(SLICE_FAMILIES)}")
-    full = preset(SLICE_FAMILIES[family])
+    full = full_config_of(family)
+    base, overrides = SLICE_FAMILIES[family]
     if not 1 <= layers <= full.n_layers:
         raise ConfigError(f"a {family} slice has 1..{full.n_layers} layers, got {layers}")
     if not 1 <= experts or experts < full.n_activated_experts:
@@ -39,7 +42,7 @@ def slice_config(layers: int, experts: int = 256, *, family: str = "v4-flash", p
         ratios = tuple(kinds[i % 3] for i in range(layers)) + full.compress_ratios[full.n_layers:]
     else:
         raise ConfigError(f"slice pattern must be 'model' or 'cycle', got {pattern!r}")
-    cfg = preset(SLICE_FAMILIES[family], n_layers=layers, compress_ratios=ratios, n_routed_experts=experts,
+    cfg = preset(base, **overrides, n_layers=layers, compress_ratios=ratios, n_routed_experts=experts,
                  n_hash_layers=min(full.n_hash_layers, layers))
     return cfg.replace(name=f"{family}-slice{layers}x{experts}" + ("" if pattern == "model" else "-cycle"))
 
@@ -51,19 +54,29 @@ def parse_slice(spec: str) -> tuple[str, int, int]:
         raise ConfigError(f"expected slice:FAMILY[:LAYERS[:EXPERTS]], got {spec!r}")
     try:
         layers = int(parts[2]) if len(parts) > 2 else DEFAULT_SLICE_LAYERS
-        experts = int(parts[3]) if len(parts) > 3 else preset(SLICE_FAMILIES.get(parts[1], "v4-flash")).n_routed_experts
+        experts = int(parts[3]) if len(parts) > 3 else full_config_of(parts[1]).n_routed_experts
     except ValueError:
         raise ConfigError(f"slice layers and experts must be integers, got {spec!r}") from None
     return parts[1], layers, experts
 
 
+def full_config_of(family: str) -> ModelConfig:
+    """The full model of a slice family."""
+    if family not in SLICE_FAMILIES:
+        raise ConfigError(f"no layer slice for {family!r}; slices exist for {', '.join(SLICE_FAMILIES)}")
+    base, overrides = SLICE_FAMILIES[family]
+    return preset(base, **overrides)
+
+
 def full_config(cfg: ModelConfig) -> ModelConfig:
     """The full model a slice stands for."""
-    return preset(cfg.name.split("-slice")[0])
+    return full_config_of(cfg.name.split("-slice")[0])
 
 
-def slice_model(spec: str, *, kernels: str = "auto", max_seq_len: int = 8192, max_batch: int = 1, seed: int = 0):
-    """A `dsjax.Model` of a layer slice with random weights drawn on the first device."""
+def slice_model(spec: str, *, kernels: str = "auto", max_seq_len: int = 8192, max_batch: int = 1, seed: int = 0,
+                tp: int = 1):
+    """A `dsjax.Model` of a layer slice with random weights drawn on the first device (`tp` > 1: sharded over the
+    first `tp` devices by the sharding rules; the same seed draws the same weights at every degree)."""
     from dsjax import sharding
     from dsjax.api import Model, enable_compilation_cache
     from dsjax.bench.device_weights import device_params
@@ -71,11 +84,15 @@ def slice_model(spec: str, *, kernels: str = "auto", max_seq_len: int = 8192, ma
     enable_compilation_cache()
     family, layers, experts = parse_slice(spec)
     cfg = slice_config(layers, experts, family=family, pattern="model").replace(kernels=kernels)
-    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # plain single-device arrays, like dsjax.load's
-    params = device_params(cfg, jax.tree.map(lambda _: one, sharding.param_shardings(cfg, mesh)), seed=seed)
-    return Model(cfg, params, source=f"{spec} ({cfg.name}, random weights drawn on the device, seed {seed})",
-                 max_seq_len=max_seq_len, max_batch=max_batch)
+    mesh = sharding.make_mesh(tp, 1, jax.devices()[:tp])
+    shardings = sharding.param_shardings(cfg, mesh)
+    if tp == 1:  # plain single-device arrays, like dsjax.load's
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, shardings)
+    params = device_params(cfg, shardings, seed=seed)
+    where = "the device" if tp == 1 else f"{tp} devices (TP{tp})"
+    return Model(cfg, params, source=f"{spec} ({cfg.name}, random weights drawn on {where}, seed {seed})",
+                 max_seq_len=max_seq_len, max_batch=max_batch, mesh=mesh if tp > 1 else None)
 
 
 def state_at(cfg: ModelConfig, batch: int, max_seq: int, position: int, *, with_mtp: bool = False):

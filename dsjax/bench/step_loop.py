@@ -52,7 +52,7 @@ def _carry(model, batch: int, ctx: int, k: int, n_tokens: int, max_seq: int, see
 
 
 def time_loop(model, *, batch: int = 1, ctx: int = 4096, k: int = 0, acceptance_length: float | None = None,
-              steps: int = 64, steps_per_dispatch: int = 32, seed: int = 0) -> dict:
+              steps: int = 64, steps_per_dispatch: int = 32, seed: int = 0, keep_tokens: bool = False) -> dict:
     """ms per step of `steps` loop steps (after one warm-up dispatch that compiles), host share included.
 
     k = 0: plain decode; k > 0: MTP draft of k + verify of k+1 + accept + commit, acceptance forced to
@@ -104,6 +104,9 @@ def time_loop(model, *, batch: int = 1, ctx: int = 4096, k: int = 0, acceptance_
            "tokens_per_step_per_row": made / max(n, 1) / batch, "first_dispatch_s": compile_s,
            "second_dispatch_s": second_s,
            "kernels": cfg.kernels}
+    if keep_tokens:  # the greedy tokens every row made (compare runs of the same weights)
+        toks, count = jax.device_get((carry.tokens, carry.count))
+        out["tokens"] = [row[:c].tolist() for row, c in zip(np.asarray(toks), np.asarray(count))]
     if k:
         out.update(acceptance="simulated", acceptance_length=al, forced_pattern=list(pattern))
     return out
