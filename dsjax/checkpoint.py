@@ -24,7 +24,8 @@ from dsjax.errors import CheckpointError
 from dsjax.weights import ArrayInfo, Linear, describe, is_info
 
 _AS_IS = {"ape", "attn_sink", "tid2eid", "bias", "bias_vl", "q_weight", "k_weight",  # V4.1: gate.bias_vl, engram.q/k_weight
-          "image_start", "image_end", "image_newline"}                                # V4.1 vision: the span vectors
+          "image_start", "image_end", "image_newline",                                # V4.1 vision: the span vectors
+          "vocab_ids"}                                                                # reduced vocabulary's row ids
 _HC = re.compile(r"\b(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 
 
@@ -375,6 +376,8 @@ def hf_config_dict(cfg: ModelConfig, *, quantized: bool) -> dict:
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
+    if cfg.head_vocab_size:  # dsjax's reduced-vocabulary models (not a released key)
+        d["head_vocab_size"] = cfg.head_vocab_size
     if quantized:
         d["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                     "scale_fmt": "ue8m0", "weight_block_size": [cfg.weight_block_size] * 2}

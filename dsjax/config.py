@@ -71,6 +71,9 @@ class ModelConfig:
     hc_eps: float = 1e-6
     # draft heads
     n_mtp_layers: int = 1
+    # reduced vocabulary (V4 only): embed/head hold this many rows, row r standing for token id vocab_ids[r] (a
+    # weight tensor), the last row for every unmapped id; logits still span vocab_size columns. 0: full vocabulary
+    head_vocab_size: int = 0
     # checkpoint formats
     weight_dtype: Literal["fp8", "bf16"] = "fp8"
     expert_dtype: Literal["fp4", "fp8", "bf16"] = "fp4"
@@ -221,6 +224,8 @@ class ModelConfig:
         need(self.kernels in KERNELS, f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         need(self.weight_dtype in ("fp8", "bf16"), f"weight_dtype must be fp8 or bf16, got {self.weight_dtype!r}")
         need(self.expert_dtype in ("fp4", "fp8", "bf16"), f"expert_dtype must be fp4, fp8 or bf16, got {self.expert_dtype!r}")
+        need(self.head_vocab_size == 0 or (self.family == "v4" and 2 <= self.head_vocab_size <= self.vocab_size),
+             f"head_vocab_size must be 0 (full vocabulary) or in [2, vocab_size] for a V4 model, got {self.head_vocab_size}")
         for r in self.compress_ratios:
             need(isinstance(r, int) and r >= 0, f"compress ratio {r!r} must be a non-negative int")
         if self.family == "v4":

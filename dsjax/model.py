@@ -59,6 +59,23 @@ def embed_rows(table, token_ids, cfg: ModelConfig):
     return jax.shard_map(local, in_specs=(P(vocab), batch), out_specs=batch, check_vma=False)(table, token_ids)
 
 
+def token_rows(params: Model, cfg: ModelConfig, token_ids):
+    """Token ids -> rows of the embedding (and hash-routing tables): the ids themselves for a full vocabulary;
+    with a reduced one (`cfg.head_vocab_size`) the row holding each id, the last (reserved) row for the rest."""
+    if not cfg.head_vocab_size:
+        return token_ids
+    R = cfg.head_vocab_size
+    rows = jnp.full((cfg.vocab_size,), R - 1, jnp.int32).at[params.vocab_ids].set(
+        jnp.arange(R, dtype=jnp.int32), mode="drop")  # the reserved row's id is vocab_size: dropped
+    return rows[token_ids]
+
+
+def scatter_vocab(row_logits, params: Model, cfg: ModelConfig):
+    """[.., head_vocab_size] logits of a reduced head -> [.., vocab_size]: −inf at every unmapped id."""
+    full = jnp.full(row_logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, row_logits.dtype)
+    return full.at[..., params.vocab_ids].set(row_logits, mode="drop")
+
+
 def embed(params: Model, cfg: ModelConfig, token_ids):
     dt = jnp.dtype(cfg.compute_dtype)
     h = embed_rows(params.embed, token_ids, cfg).astype(dt)
@@ -80,6 +97,7 @@ def forward_hidden_chunk(params: Model, cfg: ModelConfig, token_ids, state: Deco
     B, T = token_ids.shape
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths
+    token_ids = token_rows(params, cfg, token_ids)  # embedding and hash routing read rows
     streams = ("batch", None, None, None)  # activations replicated over tp between the blocks
     h = constrain(embed(params, cfg, token_ids), cfg.sharding, streams)
     layers, pendings = [], []
@@ -102,10 +120,17 @@ def commit_chunk(params: Model, cfg: ModelConfig, state: DecodeState, pendings, 
 
 
 def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):
-    """hc_head -> RMSNorm -> fp32 head. h [b,s,n,D] -> [b,s,V] float32 (V4.1: h is already collapsed)."""
+    """hc_head -> RMSNorm -> fp32 head. h [b,s,n,D] -> [b,s,V] float32 (V4.1: h is already collapsed).
+    A reduced vocabulary's rows are scattered into all V columns, −inf elsewhere."""
     if cfg.family == "v4.1":
         from dsjax.v41_model import head_logits41
         return head_logits41(h, params, cfg)
+    logits = head_rows(h, params, cfg, hc, norm_w)
+    return scatter_vocab(logits, params, cfg) if cfg.head_vocab_size else logits
+
+
+def head_rows(h, params: Model, cfg: ModelConfig, hc, norm_w):
+    """V4's head over its own rows: [b,s,V] for a full vocabulary, [b,s,head_vocab_size] for a reduced one."""
     def head(h):
         y = rms_norm(hc_head(h, hc, cfg), norm_w, cfg.norm_eps)
         return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),

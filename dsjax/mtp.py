@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import linear
 from dsjax.layers.norms import rms_norm
-from dsjax.model import block_forward, embed_rows, head_logits
+from dsjax.model import block_forward, embed_rows, head_logits, token_rows
 from dsjax.numerics import round_to
 from dsjax.state import LayerState
 from dsjax.weights import MTP, Model
@@ -24,6 +24,7 @@ def mtp_hidden(params: Model, cfg: ModelConfig, h, next_tokens, st: LayerState, 
     -> (the MTP block's output streams [B,T,n,D], its new window state)."""
     w: MTP = params.mtp[depth]
     dt = jnp.dtype(cfg.compute_dtype)
+    next_tokens = token_rows(params, cfg, next_tokens)
     e = rms_norm(embed_rows(params.embed, next_tokens, cfg).astype(dt), w.enorm, cfg.norm_eps)
     x = rms_norm(h, w.hnorm, cfg.norm_eps)
     z = round_to(linear(e, w.e_proj, cfg)[:, :, None, :].astype(jnp.float32)

@@ -65,6 +65,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, *, put=jnp.asarray):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         if node.init[0] == "tid2eid":
             return put(_tid2eid(rng, node.shape[0], node.shape[1], cfg.n_routed_experts))
+        if node.init[0] == "vocab_ids":  # the first ids in order, then the reserved row (id vocab_size: no column)
+            return put(np.append(np.arange(node.shape[0] - 1), cfg.vocab_size).astype(np.int32))
         a = _draw(rng, node, node.shape)
         if name.endswith("attn.wo_a.weight") and cfg.weight_dtype == "fp8":
             # released checkpoints store wo_a in FP8 (dequantised on load): draw what they could hold

@@ -37,7 +37,7 @@ class ArrayInfo:
     shape: tuple[int, ...]
     dtype: Any
     axes: tuple[Optional[str], ...]
-    init: tuple = ("normal", 0.02)  # ("normal", std) | ("uniform", lo, hi) | ("zeros",) | ("tid2eid",)
+    init: tuple = ("normal", 0.02)  # ("normal", std) | ("uniform", lo, hi) | ("zeros",) | ("tid2eid",) | ("vocab_ids",)
     logical_shape: tuple[int, ...] | None = None  # unpacked [.., out, in] for quantised weights
 
 
@@ -137,6 +137,7 @@ class Model:
     head: Any         # bf16 [V, D]
     hc_head: HcHead
     mtp: tuple
+    vocab_ids: Any = None  # int32 [head_vocab_size]: token id of each embed/head row (reduced vocabulary only)
 
 
 # ---------------------------------------------------------------------- the description
@@ -220,7 +221,7 @@ def _moe(cfg: ModelConfig, layer: int) -> MoE:
     return MoE(
         gate=ArrayInfo((E, D), jnp.bfloat16, (None, None), ("normal", (16.0 / D) ** 0.5)),
         gate_bias=None if hashed else ArrayInfo((E,), jnp.float32, (None,), ("normal", 0.5)),
-        tid2eid=ArrayInfo((cfg.vocab_size, k), jnp.int32, (None, None), ("tid2eid",)) if hashed else None,
+        tid2eid=ArrayInfo((cfg.head_vocab_size or cfg.vocab_size, k), jnp.int32, (None, None), ("tid2eid",)) if hashed else None,
         w1=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),
         w2=_linear(cfg, D, I, (None, "moe_ffn"), std=(0.01 / I) ** 0.5, **ex),
         w3=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),
@@ -248,7 +249,7 @@ def describe(cfg: ModelConfig) -> Model:
     if cfg.family == "v4.1":
         from dsjax.v41_weights import describe41
         return describe41(cfg)
-    D, V = cfg.dim, cfg.vocab_size
+    D, V = cfg.dim, cfg.head_vocab_size or cfg.vocab_size
     mtp = tuple(
         MTP(block=_block(cfg, cfg.n_layers + i), e_proj=_linear(cfg, D, D, (None, None)),
             h_proj=_linear(cfg, D, D, (None, None)), enorm=_norm(D), hnorm=_norm(D), norm=_norm(D),
@@ -261,6 +262,7 @@ def describe(cfg: ModelConfig) -> Model:
         head=ArrayInfo((V, D), jnp.bfloat16, ("vocab", None), ("normal", (4.0 / D) ** 0.5)),
         hc_head=_hc_head(cfg),
         mtp=mtp,
+        vocab_ids=ArrayInfo((V,), jnp.int32, (None,), ("vocab_ids",)) if cfg.head_vocab_size else None,
     )
 
 

@@ -85,13 +85,19 @@ def loop_model():
     return dsjax.load("tiny-v4", numerics="transformers", max_seq_len=128, max_batch=4, seed=3)
 
 
+@functools.lru_cache(maxsize=None)
+def full_forward_fn(cfg):
+    """One jitted full forward per config (a lambda jitted per call would recompile for every prompt)."""
+    return jax.jit(lambda p, i: forward(p, cfg, i))
+
+
 def greedy_by_full_forward(model, prompt, n, width: int = 64):
     """Greedy by recomputing the whole sequence each step; one padded width for every prompt (the model is
     causal: padding after a position does not change its logits), so one compiled forward serves them all."""
     ids = list(prompt)
     assert len(prompt) + n <= width
     buf = np.zeros((1, width), np.int32)
-    fn = jax.jit(lambda p, i: forward(p, model.cfg, i))
+    fn = full_forward_fn(model.cfg)
     for k in range(n):
         buf[0, :len(ids)] = ids
         ids.append(int(np.asarray(fn(model.params, jnp.asarray(buf)))[0, len(ids) - 1].argmax()))
