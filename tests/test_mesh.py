@@ -80,3 +80,36 @@ def test_decode_step_collectives(mesh_results, mesh):
             assert counts.get("reduce-scatter", 0) == 0
         if mesh == "1x8":  # pure tensor parallelism: activations stay replicated, nothing is gathered
             assert counts.get("all-gather", 0) == 0
+
+
+V41_WORKER = """
+import json, sys
+import jax, numpy as np, jax.numpy as jnp
+jax.config.update("jax_num_cpu_devices", 2)
+import dsjax
+from dsjax import sharding
+from dsjax.params import init_params
+seed = int(sys.argv[1])
+cfg = dsjax.preset("tiny-v41").with_numerics("transformers")
+host = init_params(cfg, seed, put=np.asarray)
+ids = [np.random.default_rng(seed).integers(0, cfg.vocab_size, 20).tolist()]
+one = np.asarray(dsjax.Model(cfg, jax.tree.map(jnp.asarray, host), max_seq_len=64, max_batch=1).logits(ids))
+mesh = sharding.make_mesh(2, 1)
+params = jax.tree.map(sharding.put, host, sharding.param_shardings(cfg, mesh))
+two = np.asarray(dsjax.Model(cfg, params, max_seq_len=64, max_batch=1, mesh=mesh).logits(ids))
+print(json.dumps({"max_abs": float(np.abs(one - two).max()), "scale": float(np.abs(one).max())}))
+"""
+
+
+@pytest.mark.xdist_group("mesh_v41")  # its own subprocess: free to run beside the 8-device worker
+def test_v41_tensor_parallel_logits_match_one_device(test_seed):
+    """V4.1 (CSA2, Engram, staggered mHC, vision-free text path) at TP2 on two CPU devices equals one device, in
+    fp32 ("transformers" numerics), to the same reassociation tolerance as V4 above."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", V41_WORKER, str(test_seed)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"V4.1 TP2 vs one device, seed {test_seed}: {r}")
+    assert r["max_abs"] <= REL_TOL * r["scale"]
