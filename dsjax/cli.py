@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dsjax.cli_bench import add_bench_parser
 
     add_bench_parser(sub)
+    from dsjax.cli_train import add_train_parser
+
+    add_train_parser(sub)
     from dsjax.serving.config import add_serve_args
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC (continuous batching)",

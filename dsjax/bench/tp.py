@@ -39,8 +39,10 @@ def add_args(p) -> None:
     p.add_argument("--steps-per-dispatch", type=int, default=32, help="loop steps per dispatch (default 32)")
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"], help="op implementations")
     p.add_argument("--no-collectives", action="store_true", help="skip the all-reduce accounting (one compile less)")
+    p.add_argument("--no-decode", action="store_true",
+                   help="skip the plain decode loop (one compile less: a full-depth verify fits one call)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the JSON report here (rewritten after every degree)")
+    p.add_argument("--out", default=None, help="write the JSON report here (rewritten after every measurement)")
 
 
 def _prefill(model, length: int, seed: int) -> dict:
@@ -118,9 +120,10 @@ def measure(spec: str, tp: int, args, copy, save=lambda rec: None) -> dict:
         say(f"{rec['collectives']['all_reduces']} all-reduces, {ar_ms:.3f} ms per step")
     loop = dict(batch=args.batch, ctx=args.context, steps=args.steps, steps_per_dispatch=args.steps_per_dispatch,
                 seed=args.seed)
-    rec["decode"] = time_loop(model, k=0, keep_tokens=True, **loop)
-    rec["decode"].update(_floor(cfg, copy, tp, batch=args.batch, ctx=args.context, k=0, ar_ms=ar_ms))
-    say(f"decode {rec['decode']['ms_per_step']:.3f} ms/step")
+    if not args.no_decode:
+        rec["decode"] = time_loop(model, k=0, keep_tokens=True, **loop)
+        rec["decode"].update(_floor(cfg, copy, tp, batch=args.batch, ctx=args.context, k=0, ar_ms=ar_ms))
+        say(f"decode {rec['decode']['ms_per_step']:.3f} ms/step")
     if args.k:
         rec["verify"] = time_loop(model, k=args.k, acceptance_length=args.acceptance_length, **loop)
         rec["verify"].update(_floor(cfg, copy, tp, batch=args.batch, ctx=args.context, k=args.k, ar_ms=ar_ms))
