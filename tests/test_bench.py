@@ -182,3 +182,22 @@ def test_tp_slice_family_splits_eight_ways():
     from jax.sharding import AbstractMesh
     mesh = AbstractMesh((1, 8), sharding.MESH_AXES)
     sharding.param_shardings(cfg, mesh)   # raises ConfigError where a split does not divide
+
+
+def test_v41_slices_keep_valid_csa2_roles_and_read_engram_rows_not_tables():
+    """The V4.1 slice remaps the representative layers' CSA2 roles (validated by the config itself), DSpark reads
+    its last three layers, and the step's floor counts the Engram rows a token reads, not the table."""
+    from dsjax.bench.slices import full_config
+
+    cfg = slice_config(*parse_slice("slice:v4.1-flash")[1:], family="v4.1-flash")
+    assert cfg.n_layers == 8 and cfg.n_routed_experts == 384 and cfg.dim == 5120 and cfg.vision_n_layers == 0
+    assert cfg.compress_ratios[:8] == (0, 0, 2, 2, 2, 1, 1, 1)
+    assert cfg.kv_source_layers == (2, 4, 5) and cfg.index_source_layers == (2, 4, 5, 7)
+    assert cfg.candidate_source_layer == 5 and cfg.engram_layer_ids == (1,) and cfg.dspark_target_layer_ids == (5, 6, 7)
+    assert full_config(cfg).n_layers == 40
+    b = roofline.step_bytes(cfg, batch=1, T=1, ctx=4096)
+    table = cfg.engram_num_embeddings[0] * cfg.engram_head_dim * (1 + 1 / 32)   # fp8 codes + one e8m0 per 32
+    assert b["dense_weights"] < table                     # the 4.3 GB table is not read whole
+    for bad in ("slice:v4.1-flash:2", "slice:v4.1-flash:9", "slice:v4.1-flash:8:3"):
+        with pytest.raises(ConfigError):
+            slice_config(*parse_slice(bad)[1:], family="v4.1-flash")

@@ -79,6 +79,8 @@ def kv_read_bytes(cfg: ModelConfig, layer: int, ctx: int, batch: int, T: int) ->
     key (CSA, read once for the T queries), the top-k picks per query (CSA) or every compressed entry (HCA)."""
     from dsjax import kv_rows
 
+    if cfg.family == "v4.1":
+        return _kv_read_bytes41(cfg, layer, ctx, batch, T)
     main = kv_rows.main_row_bytes(cfg) if kv_rows.main_rows_compact(cfg) else cfg.head_dim * 2
     idx = kv_rows.index_row_bytes(cfg) if kv_rows.index_rows_compact(cfg) else cfg.index_head_dim * 2
     ratio, kind = cfg.layer_ratio(layer), cfg.layer_kind(layer)
@@ -92,6 +94,35 @@ def kv_read_bytes(cfg: ModelConfig, layer: int, ctx: int, batch: int, T: int) ->
     return float(batch * per_row)
 
 
+def _kv_read_bytes41(cfg: ModelConfig, layer: int, ctx: int, batch: int, T: int) -> float:
+    """V4.1 (CSA2): the window rows; a layer that owns an indexer (an index source) reads every index key of its
+    ratio, every compressed layer the top-k main rows per query (Reuse layers take their source's picks)."""
+    from dsjax.v41_rows import row_shapes
+    from dsjax.v41_weights import owns_indexer
+
+    rows = row_shapes(cfg)
+    size = {k: int(np.prod(rows[k][0])) * np.dtype(rows[k][1]).itemsize for k in ("window", "main", "index")}
+    per_row = min(ctx + T, cfg.window_size) * size["window"]
+    ratio = cfg.layer_ratio(layer)
+    if ratio:
+        entries = (ctx + T) // ratio
+        if owns_indexer(cfg, layer):
+            per_row += entries * size["index"]
+        per_row += T * min(cfg.index_topk, entries) * size["main"]
+    return float(batch * per_row)
+
+
+def _engram_bytes(cfg: ModelConfig, block, n_tokens: int) -> tuple[int, float]:
+    """(bytes of a V4.1 block's Engram table, bytes `n_tokens` tokens read from it: one row per hash column)."""
+    engram = getattr(block, "engram", None)
+    if engram is None:
+        return 0, 0.0
+    from dsjax.v41_weights import engram_columns
+
+    table = _bytes(engram.embed)
+    return table, float(n_tokens * engram_columns(cfg) * table / engram.embed.weight.shape[0])
+
+
 def step_bytes(cfg: ModelConfig, *, batch: int, T: int, ctx: int, k_draft: int = 0) -> dict:
     """Bytes one step must read: the target forward over `batch` x `T` tokens (verify: T = k+1), its KV at
     context `ctx`, and — with `k_draft` > 0 — the MTP draft (a catch-up chunk of up to k+1 positions, then
@@ -101,7 +132,8 @@ def step_bytes(cfg: ModelConfig, *, batch: int, T: int, ctx: int, k_draft: int =
     dense = routed = kv = 0.0
     for layer, block in enumerate(tree.layers):
         rest, per_expert = _routed(block.ffn)
-        dense += _bytes(block) - _bytes(block.ffn) + rest
+        table, rows_read = _engram_bytes(cfg, block, n)  # V4.1: a lookup reads rows, not the table
+        dense += _bytes(block) - _bytes(block.ffn) + rest - table + rows_read
         routed += unique_experts(cfg, n) * per_expert
         kv += kv_read_bytes(cfg, layer, ctx, batch, T)
     head = _bytes(tree.head) + _bytes(tree.norm) + _bytes(tree.hc_head) + n * cfg.dim * 2  # + embedding rows

@@ -1,10 +1,17 @@
-"""Layer slices of V4-Flash: the real layer shapes and formats with fewer layers (and, optionally, experts), so
-one GPU can time what the full model does per layer.
+"""Layer slices of V4-Flash and V4.1-Flash: the real layer shapes and formats with fewer layers (and, optionally,
+experts), so one GPU can time what the full model does per layer.
 
 `--model slice:v4-flash[:LAYERS[:EXPERTS]]` names one. `pattern="model"` takes the model's own first LAYERS
 layers (two window layers, then CSA/HCA alternating; hash-routed first three), so the layers a longer slice adds
 are the ones the full model repeats and a linear fit over two depths extrapolates to the full depth;
 `pattern="cycle"` cycles window / CSA / HCA (every kind in three layers, for kernel comparisons).
+
+V4.1 (`slice:v4.1-flash[:LAYERS[:EXPERTS]]`, 3 ≤ LAYERS ≤ 8): the first LAYERS of eight representative layers of
+the full model — window, window + Engram, the ratio-2 KV source, a ratio-2 Reuse layer, the next ratio-2 source,
+the ratio-1 KV source (also the candidate-block source), a ratio-1 Reuse layer and a ratio-1 Reindex layer — with
+the CSA2 roles remapped to the slice, DSpark reading the slice's last three layers, no vision tower, and the
+Engram tables cut to 2^24 rows (4.3 GB instead of 98 GB each: a lookup gathers the same rows per token whatever
+the table's length, so only capacity differs).
 """
 
 from __future__ import annotations
@@ -24,11 +31,38 @@ SLICE_FAMILIES = {"v4-flash": ("v4-flash", {}), "tiny-v4": ("tiny-v4", {}),
                   "tiny-v4-tp": ("tiny-v4", dict(n_heads=8, o_groups=8, o_lora_rank=128, moe_inter_dim=1024,
                                                  index_n_heads=16))}
 DEFAULT_SLICE_LAYERS = 8
+V41_FAMILIES = {"v4.1-flash": ("v4.1-flash", (0, 1, 2, 3, 8, 20, 21, 24)),   # family -> (preset, layers picked)
+                "tiny-v41": ("tiny-v41", (0, 1, 2, 3, 6, 7, 8, 9))}
+V41_SLICE_ENGRAM_ROWS = 1 << 24
+
+
+def slice_config41(layers: int, experts: int, *, family: str = "v4.1-flash") -> ModelConfig:
+    """V4.1 with the first `layers` of the family's representative layers (module docstring)."""
+    base, picks = V41_FAMILIES[family]
+    full = preset(base)
+    if not 3 <= layers <= len(picks):
+        raise ConfigError(f"a {family} slice has 3..{len(picks)} layers (DSpark reads three), got {layers}")
+    if experts < full.n_activated_experts:
+        raise ConfigError(f"a slice needs at least {full.n_activated_experts} experts (top-k), got {experts}")
+    picks = picks[:layers]
+    at = {full_id: i for i, full_id in enumerate(picks)}
+    kept = lambda ids: tuple(at[i] for i in ids if i in at)
+    engram = [(at[i], n) for i, n in zip(full.engram_layer_ids, full.engram_num_embeddings) if i in at]
+    cfg = preset(base, n_layers=layers, n_routed_experts=experts, vision_n_layers=0,
+                 compress_ratios=tuple(full.compress_ratios[i] for i in picks) + full.compress_ratios[full.n_layers:],
+                 kv_source_layers=kept(full.kv_source_layers), index_source_layers=kept(full.index_source_layers),
+                 candidate_source_layer=at.get(full.candidate_source_layer, -1),
+                 engram_layer_ids=tuple(i for i, _ in engram),
+                 engram_num_embeddings=tuple(min(n, V41_SLICE_ENGRAM_ROWS) for _, n in engram),
+                 dspark_target_layer_ids=tuple(range(layers - 3, layers)))
+    return cfg.replace(name=f"{family}-slice{layers}x{experts}")
 
 
 def slice_config(layers: int, experts: int = 256, *, family: str = "v4-flash", pattern: str = "cycle"
                  ) -> ModelConfig:
-    """V4-Flash with `layers` layers (kinds per `pattern`) and `experts` routed experts."""
+    """V4-Flash with `layers` layers (kinds per `pattern`) and `experts` routed experts (V4.1: slice_config41)."""
+    if family in V41_FAMILIES:
+        return slice_config41(layers, experts, family=family)
     full = full_config_of(family)
     base, overrides = SLICE_FAMILIES[family]
     if not 1 <= layers <= full.n_layers:
@@ -62,8 +96,11 @@ def parse_slice(spec: str) -> tuple[str, int, int]:
 
 def full_config_of(family: str) -> ModelConfig:
     """The full model of a slice family."""
+    if family in V41_FAMILIES:
+        return preset(V41_FAMILIES[family][0])
     if family not in SLICE_FAMILIES:
-        raise ConfigError(f"no layer slice for {family!r}; slices exist for {', '.join(SLICE_FAMILIES)}")
+        raise ConfigError(f"no layer slice for {family!r}; slices exist for "
+                          f"{', '.join(list(SLICE_FAMILIES) + list(V41_FAMILIES))}")
     base, overrides = SLICE_FAMILIES[family]
     return preset(base, **overrides)
 
@@ -116,6 +153,8 @@ def shallower(model, layers: int):
 
     cfg = model.cfg
     family = cfg.name.split("-slice")[0]
+    if family in V41_FAMILIES:
+        raise ConfigError("a shallower V4.1 slice would move its DSpark taps; time two V4.1 slices instead")
     sub = slice_config(layers, cfg.n_routed_experts, family=family, pattern="model").replace(kernels=cfg.kernels)
     return Model(sub, dataclasses.replace(model.params, layers=model.params.layers[:layers]),
                  source=f"first {layers} layers of {model.source}", max_seq_len=model.max_seq_len,
