@@ -39,6 +39,7 @@ class ShardingRules:
     moe_ffn: tuple[str, ...] = ()           # inside one routed expert
     ffn: tuple[str, ...] = ("tp",)          # the shared expert's hidden dim
     vocab: tuple[str, ...] = ("tp",)        # embedding rows and head rows
+    engram_rows: tuple[str, ...] = ("tp",)  # V4.1 Engram table rows (looked up per shard + psum)
 
     def mesh_axes(self, logical: Optional[str]) -> tuple[str, ...]:
         if logical is None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
 from dsjax.layers.csa2 import attention41, commit_layer41
-from dsjax.layers.engram import engram, hash_ids, next_history
+from dsjax.layers.engram import engram, engram_rows, hash_ids, next_history
 from dsjax.layers.hyper_connections import _mixes, hc_post, sinkhorn_split
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
@@ -111,10 +111,11 @@ def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State4
                 pre_mix = jnp.where(use[layer], pre_in[layer].astype(jnp.float32), pre_mix)
             if w.engram is not None:
                 k = cfg.engram_layer_ids.index(layer)
+                rows = engram_rows(w.engram.embed, row_ids[:, :, k], cfg)   # a lookup, exact: outside per_token
                 if live is None:
-                    h = per_token(cfg, lambda h, ids: engram(h, ids, w.engram, cfg), h, row_ids[:, :, k])
+                    h = per_token(cfg, lambda h, r: engram(h, r, w.engram, cfg), h, rows)
                 else:
-                    h = per_token(cfg, lambda h, ids, lv: engram(h, ids, w.engram, cfg, lv), h, row_ids[:, :, k], live)
+                    h = per_token(cfg, lambda h, r, lv: engram(h, r, w.engram, cfg, lv), h, rows, live)
             if layer in cfg.dspark_target_layer_ids:
                 taps.append(per_token(cfg, stream_mean, h))
             h, pre_mix, st = block41(h, pre_mix, token_ids, w, cfg, layer, st, shared, start, n_valid,

@@ -186,8 +186,9 @@ def _engram(cfg: ModelConfig, layer: int) -> Engram:
     k = cfg.engram_layer_ids.index(layer)
     rows, hd, D, n = cfg.engram_num_embeddings[k], cfg.engram_head_dim, cfg.dim, cfg.hc_mult
     return Engram(
-        embed=EngramTable(weight=ArrayInfo((rows, hd), jnp.float8_e4m3fn, (None, None), ("normal", 1.0)),
-                          scale=ArrayInfo((rows, hd // 32), jnp.uint8, (None, None), ("uniform", 127.0, 127.0))),  # e8m0 byte 127 = 1
+        embed=EngramTable(weight=ArrayInfo((rows, hd), jnp.float8_e4m3fn, ("engram_rows", None), ("normal", 1.0)),
+                          scale=ArrayInfo((rows, hd // 32), jnp.uint8, ("engram_rows", None),
+                                          ("uniform", 127.0, 127.0))),  # e8m0 byte 127 = 1
         wkv=_linear(cfg, (n + 1) * D, engram_columns(cfg) * hd, (None, None)),
         q_weight=ArrayInfo((n, D), jnp.bfloat16, (None, None), ("uniform", 0.5, 1.5)),
         k_weight=ArrayInfo((n, D), jnp.bfloat16, (None, None), ("uniform", 0.5, 1.5)),

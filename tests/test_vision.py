@@ -190,7 +190,8 @@ def test_engram_dead_image_tokens(model, test_seed):
 
     w = model.params.layers[cfg.engram_layer_ids[0]].engram
     h = jnp.asarray(rng.normal(size=(2, 24, cfg.hc_mult, cfg.dim)), jnp.bfloat16)
-    out = np.asarray(E.engram(h, jnp.asarray(whole[:, :, 0]), w, cfg, jnp.asarray(~dead)).astype(jnp.float32))
+    rows = E.engram_rows(w.embed, jnp.asarray(whole[:, :, 0]), cfg)
+    out = np.asarray(E.engram(h, rows, w, cfg, jnp.asarray(~dead)).astype(jnp.float32))
     hf = np.asarray(h.astype(jnp.float32))
     assert np.array_equal(out[dead], hf[dead])
     assert (np.abs(out[~dead] - hf[~dead]).max(axis=(-1, -2)) > 0).all()

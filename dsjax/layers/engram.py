@@ -209,15 +209,43 @@ def initial_history(cfg: ModelConfig, batch: int):
     return jnp.full((batch, max(cfg.engram_max_ngram_size - 1, 0)), cfg.engram_pad_id, jnp.int32)
 
 
-def engram(h, row_ids, w, cfg: ModelConfig, live=None):
-    """h [B,T,n,D] streams, row_ids int32 [B,T,cols] -> h + gate·value (spec §3.10), in h's dtype. `live` [B,T]
-    (or None: all): where False (image-span positions) the gate is 0, the streams pass through unchanged."""
+def _dequantised_rows(table, row_ids):
+    """table.weight[row_ids] (FP8 codes) times its per-32 e8m0 scales, in fp32: [..., hd]."""
+    block = table.weight.shape[-1] // table.scale.shape[-1]
+    codes = table.weight[row_ids].astype(jnp.float32)
+    scales = quant.e8m0_to_f32(table.scale[row_ids])
+    return (codes.reshape(codes.shape[:-1] + (-1, block)) * scales[..., None]).reshape(codes.shape)
+
+
+def engram_rows(table, row_ids, cfg: ModelConfig):
+    """The dequantised Engram rows [B,T,cols,hd] (fp32) of `row_ids` [B,T,cols]. Under a mesh whose
+    `engram_rows` axes split the table (2 x ~98 GB in V4.1-Flash), each shard dequantises the rows it holds, zeros
+    elsewhere, and one psum (exact: a single non-zero term per row) assembles them — the table is never gathered."""
+    from jax.sharding import PartitionSpec as P
+
+    from dsjax.sharding import active_mesh, axis_size, local_ids
+
+    mesh = active_mesh()
+    axes = cfg.sharding.mesh_axes("engram_rows")
+    if mesh is None or axis_size(mesh, axes) == 1:
+        return _dequantised_rows(table, row_ids)
+
+    def local(weight, scale, ids):
+        ids, mine = local_ids(ids, axes, weight.shape[0])
+        rows = _dequantised_rows(dataclasses.replace(table, weight=weight, scale=scale), ids)
+        return jax.lax.psum(jnp.where(mine[..., None], rows, 0.0), axes)
+
+    batch = cfg.sharding.spec(("batch",))
+    return jax.shard_map(local, in_specs=(P(axes), P(axes), batch), out_specs=batch,
+                         check_vma=False)(table.weight, table.scale, row_ids)
+
+
+def engram(h, rows, w, cfg: ModelConfig, live=None):
+    """h [B,T,n,D] streams, rows [B,T,cols,hd] (`engram_rows` of the token's hash ids) -> h + gate·value
+    (spec §3.10), in h's dtype. `live` [B,T] (or None: all): where False (image-span positions) the gate is 0, the
+    streams pass through unchanged."""
     B, T, n, D = h.shape
     dt = h.dtype
-    block = w.embed.weight.shape[-1] // w.embed.scale.shape[-1]
-    codes = w.embed.weight[row_ids].astype(jnp.float32)                       # [B,T,cols,hd]
-    scales = quant.e8m0_to_f32(w.embed.scale[row_ids])                         # [B,T,cols,hd/block]
-    rows = (codes.reshape(codes.shape[:-1] + (-1, block)) * scales[..., None]).reshape(codes.shape)
     kv = linear(rows.astype(dt).reshape(B, T, -1), w.wkv, cfg)                 # [B,T,(n+1)D]
     key = kv[..., : n * D].astype(jnp.float32).reshape(B, T, n, D)
     value = kv[..., n * D:].astype(jnp.float32)
