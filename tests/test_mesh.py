@@ -88,24 +88,25 @@ import jax, numpy as np, jax.numpy as jnp
 jax.config.update("jax_num_cpu_devices", 2)
 import dsjax
 from dsjax import sharding
+from dsjax.bench.collectives import collective_ops
+from dsjax.model import forward
 from dsjax.params import init_params
 seed = int(sys.argv[1])
 cfg = dsjax.preset("tiny-v41").with_numerics("transformers")
 host = init_params(cfg, seed, put=np.asarray)
-ids = [np.random.default_rng(seed).integers(0, cfg.vocab_size, 20).tolist()]
-one = np.asarray(dsjax.Model(cfg, jax.tree.map(jnp.asarray, host), max_seq_len=64, max_batch=1).logits(ids))
+ids = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, 20)), jnp.int32)
+fwd = lambda p, t: forward(p, cfg, t)
+one = np.asarray(jax.jit(fwd)(jax.tree.map(jnp.asarray, host), ids))
 mesh = sharding.make_mesh(2, 1)
 params = jax.tree.map(sharding.put, host, sharding.param_shardings(cfg, mesh))
-two = np.asarray(dsjax.Model(cfg, params, max_seq_len=64, max_batch=1, mesh=mesh).logits(ids))
-from dsjax.bench.collectives import collective_ops
-from dsjax.model import forward
 with jax.set_mesh(mesh):
-    hlo = jax.jit(lambda p, t: forward(p, cfg, t)).lower(params, jnp.asarray(ids, jnp.int32)).compile().as_text()
-local_tables = {(n // 2, cfg.engram_head_dim) for n in cfg.engram_num_embeddings}
+    step = jax.jit(fwd).lower(params, ids).compile()
+    two = np.asarray(step(params, ids))
 whole_tables = {(n, cfg.engram_head_dim) for n in cfg.engram_num_embeddings}
-shard_shapes = sorted({tuple(a.addressable_shards[0].data.shape) for a in jax.tree.leaves(params)
-                       if tuple(a.shape) in whole_tables and a.dtype == jnp.float8_e4m3fn})
-gathered = [arrays for kind, arrays in collective_ops(hlo) if kind == "all-gather"
+local_tables = {(n // 2, cfg.engram_head_dim) for n in cfg.engram_num_embeddings}
+shard_shapes = {tuple(a.addressable_shards[0].data.shape) for a in jax.tree.leaves(params)
+                if tuple(a.shape) in whole_tables and a.dtype == jnp.float8_e4m3fn}
+gathered = [arrays for kind, arrays in collective_ops(step.as_text()) if kind == "all-gather"
             and any(tuple(shape) in whole_tables for _, shape in arrays)]
 print(json.dumps({"max_abs": float(np.abs(one - two).max()), "scale": float(np.abs(one).max()),
                   "table_shards": sorted(map(list, shard_shapes)), "local_tables": sorted(map(list, local_tables)),
