@@ -26,6 +26,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="activation dtype of the training forward (master weights stay fp32)")
     p.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP (token t+2) loss")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of --seq-len tokens")
@@ -75,7 +77,7 @@ def cmd_train(args) -> int:
           f"{info['files_held_out']} files ({time.perf_counter() - t0:.1f} s); {len(vocab_ids):,} vocabulary rows "
           f"cover {cov:.2%} of held-out tokens", flush=True)
     cfg = model_config(args.model, len(vocab_ids))
-    tcfg = train_config(cfg)
+    tcfg = train_config(cfg, args.compute_dtype)
     params = with_vocab(init_params(tcfg, args.seed), vocab_ids)
     settings = loop.TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                                   warmup_steps=args.warmup, weight_decay=args.weight_decay, mtp_weight=args.mtp_weight,
@@ -106,7 +108,7 @@ def cmd_train(args) -> int:
              f"{args.held_out_percent}% held out); {len(train_stream):,} train tokens",
         steps=settings.steps, batch=settings.batch_size, seq=settings.seq_len,
         tokens=settings.steps * settings.batch_size * settings.seq_len, lr=settings.lr, warmup=settings.warmup_steps,
-        min_lr_ratio=settings.min_lr_ratio, wd=settings.weight_decay, mtp_w=settings.mtp_weight,
+        min_lr_ratio=settings.min_lr_ratio, wd=settings.weight_decay, compute=args.compute_dtype, mtp_w=settings.mtp_weight,
         eval_tokens=fp32["tokens"], eval_windows=len(windows), fp32_main=fp32["loss"],
         obj_main=last_eval.get("main", float("nan")), obj_mtp=last_eval.get("mtp", float("nan")),
         numerics="reference-bf16", loaded=float("nan"), command=command)

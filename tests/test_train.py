@@ -123,3 +123,12 @@ def test_export_load_gives_the_quantised_logits(setup, tmp_path):
     unmapped = np.ones(V, bool)
     unmapped[vocab_ids[:-1]] = False
     assert np.all(got[..., unmapped] == -np.inf) and np.all(np.isfinite(got[..., ~unmapped]))
+
+
+def test_cli_train_parses_with_h200_defaults_and_smoke():
+    from dsjax.cli import build_parser
+
+    args = build_parser().parse_args(["train"])
+    assert (args.model, args.steps, args.batch_size, args.seq_len, args.compute_dtype) == \
+        ("small", 6000, 32, 512, "bfloat16")
+    assert build_parser().parse_args(["train", "--smoke", "--out", "x"]).smoke

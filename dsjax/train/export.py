@@ -83,7 +83,7 @@ def held_out_loss_params(params, cfg: ModelConfig, windows: np.ndarray, *, batch
     from dsjax.model import forward
 
     logits = jax.jit(lambda p, ids: forward(p, cfg, ids))
-    return {**_score(lambda ids: logits(params, jnp.asarray(ids)), windows, batch), "numerics": "train fp32"}
+    return {**_score(lambda ids: logits(params, jnp.asarray(ids)), windows, batch), "numerics": "trained fp32 weights, train_config"}
 
 
 def _score(logits_fn, windows: np.ndarray, batch: int) -> dict:
@@ -115,7 +115,7 @@ FP4 e2m1 routed experts with per-32 scales, bf16 embedding/head), loadable with 
   Row coverage of held-out tokens: {coverage:.2%}.
 - Data: {data}
 - Training: {steps:,} steps of {batch}x{seq} tokens ({tokens:,} tokens), AdamW (lr {lr}, warmup {warmup}, cosine to
-  {min_lr_ratio}x, weight decay {wd}), loss = next-token CE + {mtp_w} x MTP (token t+2) CE; fp32 master weights.
+  {min_lr_ratio}x, weight decay {wd}), loss = next-token CE + {mtp_w} x MTP (token t+2) CE; fp32 master weights, {compute} activations.
 - Held-out next-token loss (nats/token over {eval_tokens:,} mapped targets of {eval_windows} windows, scored on
   all 129,280 columns): fp32 trained weights {fp32_main:.4f}; this checkpoint through `dsjax.load` (numerics
   {numerics}) **{loaded:.4f}**. Training objective on the held-out windows at the last step (the reserved row

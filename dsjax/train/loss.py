@@ -4,7 +4,7 @@ Why train in a bf16-format config with fp32 master weights: the inference format
 packed FP4 experts) are integer codes with no gradient, and the reference presets' fake quantisation (KV FP8
 rounding, FP4 index keys) rounds through bit tricks. So training runs the *same* forward (dsjax.model, the
 `xla` kernels) on a copy of the architecture whose linears are plain 'bf16'-format Linear nodes holding fp32
-arrays, with fp32 activations and every quant sim off (`train_config`). `jax.grad` goes through that forward
+arrays, with fp32 (or bf16) activations and every quant sim off (`train_config`). `jax.grad` goes through that forward
 unchanged. The export (export.py) rounds the trained weights to the official formats and measures the loss
 again through `dsjax.load`, so the shipped figure is the quantised model's own.
 
@@ -29,9 +29,11 @@ from dsjax.mtp import mtp_hidden
 from dsjax.state import init_state
 
 
-def train_config(cfg: ModelConfig) -> ModelConfig:
-    """The differentiable twin of `cfg`: bf16-format linears (held in fp32), fp32 activations, no fake quant."""
-    return cfg.replace(weight_dtype="bf16", expert_dtype="bf16", compute_dtype="float32", kv_quant_sim=False,
+def train_config(cfg: ModelConfig, compute_dtype: str = "float32") -> ModelConfig:
+    """The differentiable twin of `cfg`: bf16-format linears (held in fp32), no fake quant; activations in
+    `compute_dtype` (bfloat16: the tensor cores and the activation dtype the checkpoint is served with; the
+    weights are cast per matmul, gradients reach the fp32 masters)."""
+    return cfg.replace(weight_dtype="bf16", expert_dtype="bf16", compute_dtype=compute_dtype, kv_quant_sim=False,
                        index_quant_sim=False, act_quant_sim=False, batch_invariant=False, kernels="xla")
 
 
