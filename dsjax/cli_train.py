@@ -52,7 +52,7 @@ def cmd_train(args) -> int:
     from dsjax.params import init_params
     from dsjax.tokenizer import load_tokenizer
     from dsjax.train import corpus, export, loop, vocab
-    from dsjax.train.loss import merge, train_config, with_vocab
+    from dsjax.train.loss import merge, train_config, with_vocab, zero_gate_bias
     from dsjax.train.models import model_config
 
     argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("dsjax") else None
@@ -78,7 +78,7 @@ def cmd_train(args) -> int:
           f"cover {cov:.2%} of held-out tokens", flush=True)
     cfg = model_config(args.model, len(vocab_ids))
     tcfg = train_config(cfg, args.compute_dtype)
-    params = with_vocab(init_params(tcfg, args.seed), vocab_ids)
+    params = zero_gate_bias(with_vocab(init_params(tcfg, args.seed), vocab_ids))
     settings = loop.TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                                   warmup_steps=args.warmup, weight_decay=args.weight_decay, mtp_weight=args.mtp_weight,
                                   eval_every=args.eval_every, eval_windows=args.eval_windows,

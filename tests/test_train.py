@@ -55,6 +55,16 @@ def test_vocab_map_round_trips(setup, test_seed):
     assert {0, 1, 128803, 128804} <= set(mapped.tolist())
 
 
+def test_corpus_split_is_by_file_and_stable():
+    docs = corpus.documents()
+    names = [d.name for d in docs]
+    assert len(names) == len(set(names)) and {"web/page.html", "web/app.js"} <= set(names)
+    assert all(n.startswith("stdlib/") and "/test/" not in n for n in names[:-2])
+    held = {d.name for d in docs if corpus.is_held_out(d, 5.0)}
+    assert held == {d.name for d in corpus.documents() if corpus.is_held_out(d, 5.0)}  # same split every time
+    assert 0.01 < len(held) / len(names) < 0.12
+
+
 def test_full_vocabulary_path_unchanged():
     """No map configured: no vocab_ids leaf, full-size tables, ids used as rows, head_logits == head_rows."""
     cfg = tiny_cfg(0)

@@ -72,8 +72,8 @@ def load_splits(tokenizer, *, held_out_percent: float = 5.0, max_files: int | No
     docs = documents(max_files)
     train_docs = [d for d in docs if not is_held_out(d, held_out_percent)]
     held_docs = [d for d in docs if is_held_out(d, held_out_percent)]
-    if not held_docs:  # a tiny corpus (smoke runs): hold out the last stdlib file
-        held_docs, train_docs = train_docs[-3:-2], train_docs[:-3] + train_docs[-2:]
+    if not held_docs:  # a tiny corpus (smoke runs) may draw no held-out file: hold out its first
+        held_docs, train_docs = train_docs[:1], train_docs[1:]
     train, held = tokenize(train_docs, tokenizer), tokenize(held_docs, tokenizer)
     info = {"files_train": len(train_docs), "files_held_out": len(held_docs)}
     if cache:

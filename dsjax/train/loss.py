@@ -55,6 +55,19 @@ def with_vocab(params, vocab_ids):
     return dataclasses.replace(params, vocab_ids=jnp.asarray(vocab_ids, jnp.int32))
 
 
+def zero_gate_bias(params):
+    """Top-k gates' selection bias set to 0: it gets no gradient (selection only) and we run no load-balancing
+    update, so a random init would be a fixed random preference for some experts."""
+    import dataclasses
+
+    layers = tuple(dataclasses.replace(b, ffn=dataclasses.replace(b.ffn, gate_bias=jnp.zeros_like(b.ffn.gate_bias)))
+                   if b.ffn.gate_bias is not None else b for b in params.layers)
+    mtp = tuple(dataclasses.replace(m, block=dataclasses.replace(m.block, ffn=dataclasses.replace(
+        m.block.ffn, gate_bias=jnp.zeros_like(m.block.ffn.gate_bias)))) if m.block.ffn.gate_bias is not None else m
+        for m in params.mtp)
+    return dataclasses.replace(params, layers=layers, mtp=mtp)
+
+
 def merge(train, frozen):
     return jax.tree.map(lambda a, b: b if a is None else a, train, frozen, is_leaf=lambda x: x is None)
 
