@@ -103,7 +103,7 @@ def cmd_train(args) -> int:
         k=cfg.n_activated_experts, E=cfg.n_routed_experts, hc=cfg.hc_mult, dim=cfg.dim, params=n_params,
         rows=len(vocab_ids), n_freq=args.vocab, coverage=cov,
         data=f"the Python {sys.version_info.major}.{sys.version_info.minor} standard library's .py sources (PSF "
-             f"licence; site-packages and test packages excluded) + dsjax's own HTML/JS; {info['files_train']} "
+             f"licence; test suites included, site-packages and files over 256 KB excluded) + dsjax's own HTML/JS; {info['files_train']} "
              f"train / {info['files_held_out']} held-out files (split by crc32 of the path, "
              f"{args.held_out_percent}% held out); {len(train_stream):,} train tokens",
         steps=settings.steps, batch=settings.batch_size, seq=settings.seq_len,

@@ -1,8 +1,8 @@
 """The training corpus: text available offline whose licence allows training on it, split by file.
 
-Sources: the running interpreter's standard-library sources (`sysconfig`'s stdlib dir, PSF licence;
-site-packages and the `test` packages left out — third-party code and large generated fixtures) and the
-HTML/JS we wrote ourselves (`dsjax/train/web/`, the project's licence). A file is held out when the crc32 of
+Sources: the running interpreter's standard-library sources (`sysconfig`'s stdlib dir, PSF licence; its test
+suites included — two thirds of the code, and real code; site-packages left out — third-party licences; files over
+256 KB left out — generated tables, not code) and the HTML/JS we wrote ourselves (`dsjax/train/web/`, the project's licence). A file is held out when the crc32 of
 its relative path falls in the held-out share, so the split is stable across machines, interpreters' file
 orders and runs. Each document is tokenised with the real DeepSeek-V4 tokenizer and framed as BOS text EOS;
 documents are concatenated into one token stream per split, from which training windows are cut.
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 WEB_DIR = os.path.join(os.path.dirname(__file__), "web")
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_MAX_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ def documents(max_files: int | None = None) -> list[Document]:
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS)
         for f in sorted(files):
-            if f.endswith(".py"):
-                p = os.path.join(d, f)
+            p = os.path.join(d, f)
+            if f.endswith(".py") and os.path.getsize(p) <= _MAX_BYTES:
                 out.append(Document("stdlib/" + os.path.relpath(p, root).replace(os.sep, "/"), p))
     out.sort(key=lambda doc: doc.name)
     web = [Document("web/" + f, os.path.join(WEB_DIR, f)) for f in sorted(os.listdir(WEB_DIR))
