@@ -36,6 +36,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (sorted)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-export", action="store_true", help="skip writing OUT/export")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="tokenise the corpus and build the vocabulary into OUT (corpus.npz, vocab_ids.npy), then stop: "
+                        "a machine without this interpreter's stdlib can train from them")
     p.add_argument("--smoke", action="store_true",
                    help="a CPU smoke run: --model smoke, 30 steps of 4x64, 40 files, 256 vocabulary rows")
     p.set_defaults(func=cmd_train)
@@ -76,6 +79,8 @@ def cmd_train(args) -> int:
     print(f"corpus: {len(train_stream):,} train / {len(held_stream):,} held-out tokens from {info['files_train']} / "
           f"{info['files_held_out']} files ({time.perf_counter() - t0:.1f} s); {len(vocab_ids):,} vocabulary rows "
           f"cover {cov:.2%} of held-out tokens", flush=True)
+    if args.prepare_only:
+        return 0
     cfg = model_config(args.model, len(vocab_ids))
     tcfg = train_config(cfg, args.compute_dtype)
     params = zero_gate_bias(with_vocab(init_params(tcfg, args.seed), vocab_ids))
@@ -102,7 +107,7 @@ def cmd_train(args) -> int:
         name=cfg.name, n_layers=cfg.n_layers, ratios=list(cfg.compress_ratios[:cfg.n_layers]), n_hash=cfg.n_hash_layers,
         k=cfg.n_activated_experts, E=cfg.n_routed_experts, hc=cfg.hc_mult, dim=cfg.dim, params=n_params,
         rows=len(vocab_ids), n_freq=args.vocab, coverage=cov,
-        data=f"the Python {sys.version_info.major}.{sys.version_info.minor} standard library's .py sources (PSF "
+        data=f"the Python {info['python']} standard library's .py sources (PSF "
              f"licence; test suites included, site-packages and files over 256 KB excluded) + dsjax's own HTML/JS; {info['files_train']} "
              f"train / {info['files_held_out']} held-out files (split by crc32 of the path, "
              f"{args.held_out_percent}% held out); {len(train_stream):,} train tokens",

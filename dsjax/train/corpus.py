@@ -11,6 +11,7 @@ documents are concatenated into one token stream per split, from which training 
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -66,20 +67,23 @@ def tokenize(docs: list[Document], tokenizer) -> np.ndarray:
 
 def load_splits(tokenizer, *, held_out_percent: float = 5.0, max_files: int | None = None,
                 cache: str | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(train stream, held-out stream, info); cached as an .npz when `cache` is a path."""
+    """(train stream, held-out stream, info); cached as an .npz when `cache` is a path (and read from it when
+    it exists: the cache, not this interpreter's stdlib, is then the corpus)."""
     if cache and os.path.exists(cache):
         z = np.load(cache, allow_pickle=False)
-        return z["train"], z["held_out"], {"files_train": int(z["files_train"]), "files_held_out": int(z["files_held_out"])}
+        return z["train"], z["held_out"], {"files_train": int(z["files_train"]), "files_held_out": int(z["files_held_out"]),
+                                           "python": str(z["python"])}
     docs = documents(max_files)
     train_docs = [d for d in docs if not is_held_out(d, held_out_percent)]
     held_docs = [d for d in docs if is_held_out(d, held_out_percent)]
     if not held_docs:  # a tiny corpus (smoke runs) may draw no held-out file: hold out its first
         held_docs, train_docs = train_docs[:1], train_docs[1:]
     train, held = tokenize(train_docs, tokenizer), tokenize(held_docs, tokenizer)
-    info = {"files_train": len(train_docs), "files_held_out": len(held_docs)}
+    info = {"files_train": len(train_docs), "files_held_out": len(held_docs),
+            "python": "%d.%d.%d" % sys.version_info[:3]}
     if cache:
         os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
-        np.savez(cache, train=train, held_out=held, **info)
+        np.savez_compressed(cache, train=train, held_out=held, **info)
     return train, held, info
 
 
