@@ -19,6 +19,7 @@ import numpy as np
 
 from dsjax import config, sharding
 from dsjax.api import Model
+from dsjax.bench.collectives import COLLECTIVE  # one pattern for the tests and `dsjax bench tp`
 from dsjax.model import forward_chunk
 from dsjax.params import init_params
 from dsjax.state import init_state
@@ -26,8 +27,6 @@ from dsjax.weights import describe, is_info
 
 MESHES = {"1x8": (1, 8, "tp"), "2x4": (2, 4, "tp"), "ep8": (2, 4, "all")}
 MAX_SEQ, NEW_TOKENS, DECODE_STEPS = 128, 32, 4
-COLLECTIVE = re.compile(r"= (\([^=]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-                        r"(?:-start)?\(")
 
 
 def test_config(ep: str = "tp"):

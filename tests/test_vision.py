@@ -26,6 +26,7 @@ from dsjax.vision import decode_image, expand_placeholders, load_rgb, plan_grid,
 from dsjax.vision.aligner import squares
 from dsjax.vision.decode import data_url_bytes
 from dsjax.vision.layout import END, IMAGE, NEWLINE, START, TEXT
+from test_serving_frontend import ScriptedEngine
 
 MAX_SEQ = 128
 
@@ -252,34 +253,17 @@ def test_cli_generate_image(model, tmp_path, capsys, test_seed):
 
 
 # ---------------------------------------------------------------- OpenAI image_url
-class RecordingEngine:
-    """SlotEngine's interface: records what joins, answers EOS at once."""
+class RecordingEngine(ScriptedEngine):
+    """The front-end tests' engine (SlotEngine's interface), recording what joins and answering EOS at once."""
 
     def __init__(self):
-        self.joined, self.rows = [], {}
-
-    def free_slots(self):
-        return [b for b in range(2) if b not in self.rows]
+        super().__init__(slots=2)
+        self.joined = []
 
     def join(self, slot, prompt, max_new, sampling, top_logprobs=0, start=None, images=None):
         self.joined.append((list(prompt), images))
         self.rows[slot] = True
         return 0
-
-    def leave(self, slot):
-        self.rows.pop(slot, None)
-
-    def busy(self):
-        return bool(self.rows)
-
-    def reset_all(self):
-        self.rows.clear()
-
-    def warm_up(self):
-        pass
-
-    def prefill_step(self):
-        return []
 
     def decode_step(self):
         from dsjax.serving.engine import StepOutput
