@@ -20,7 +20,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--out", default="runs/train", help="run directory (rerun with the same --out to resume)")
     p.add_argument("--model", default="small", help="architecture: small (H200 run) or smoke (CPU)")
     p.add_argument("--vocab", type=int, default=6000, help="rows for the most frequent token ids (+ specials + 1)")
-    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--steps", type=int, default=6000, help="length of the schedule (the most, with --time-budget)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="wall seconds for the training loop, compile included: after timing its first steps the run "
+                        "fixes its total (≤ --steps) so warmup + cosine end within the budget; kept for resumes")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -87,7 +90,7 @@ def cmd_train(args) -> int:
     settings = loop.TrainSettings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                                   warmup_steps=args.warmup, weight_decay=args.weight_decay, mtp_weight=args.mtp_weight,
                                   eval_every=args.eval_every, eval_windows=args.eval_windows,
-                                  ckpt_every=args.ckpt_every, seed=args.seed)
+                                  ckpt_every=args.ckpt_every, seed=args.seed, time_budget_s=args.time_budget)
     n_params = param_count(cfg)
     print(f"model {cfg.name}: {n_params:,} parameters; {settings.steps} steps of {settings.batch_size}x"
           f"{settings.seq_len}", flush=True)
@@ -111,8 +114,8 @@ def cmd_train(args) -> int:
              f"licence; test suites included, site-packages and files over 256 KB excluded) + dsjax's own HTML/JS; {info['files_train']} "
              f"train / {info['files_held_out']} held-out files (split by crc32 of the path, "
              f"{args.held_out_percent}% held out); {len(train_stream):,} train tokens",
-        steps=settings.steps, batch=settings.batch_size, seq=settings.seq_len,
-        tokens=settings.steps * settings.batch_size * settings.seq_len, lr=settings.lr, warmup=settings.warmup_steps,
+        steps=history["steps"], batch=settings.batch_size, seq=settings.seq_len,
+        tokens=history["steps"] * settings.batch_size * settings.seq_len, lr=settings.lr, warmup=settings.warmup_steps,
         min_lr_ratio=settings.min_lr_ratio, wd=settings.weight_decay, compute=args.compute_dtype, mtp_w=settings.mtp_weight,
         eval_tokens=fp32["tokens"], eval_windows=len(windows), fp32_main=fp32["loss"],
         obj_main=last_eval.get("main", float("nan")), obj_mtp=last_eval.get("mtp", float("nan")),

@@ -92,11 +92,28 @@ def test_steps_reduce_loss_on_a_fixed_batch(setup):
     train, frozen, opt_state = loop.initial_state(params, s)
     batch = jnp.asarray(loop.batch_at(stream, s, 0))
     losses = []
-    for _ in range(6):
-        train, opt_state, m = step(train, opt_state, frozen, batch)
+    for i in range(6):
+        train, opt_state, m = step(train, opt_state, frozen, batch, jnp.float32(loop.learning_rate(i, s, s.steps)))
         losses.append(float(m["loss"]))
     print("losses on one batch:", losses)
     assert all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0]
+
+
+def test_learning_rate_is_optax_warmup_cosine():
+    import optax
+
+    s = loop.TrainSettings(steps=1000, lr=3e-3, warmup_steps=50, min_lr_ratio=0.1)
+    ref = optax.warmup_cosine_decay_schedule(0.0, s.lr, s.warmup_steps, s.steps, s.lr * s.min_lr_ratio)
+    for step in (0, 1, 25, 49, 50, 51, 400, 999, 1000, 1200):
+        np.testing.assert_allclose(loop.learning_rate(step, s, s.steps), float(ref(step)), rtol=1e-5, atol=1e-9)
+
+
+def test_a_fixed_schedule_is_kept_on_resume(setup, tmp_path):
+    """A time-budgeted run's total steps (OUT/schedule.json) outlives the process that fixed it."""
+    _, tcfg, params, stream, _ = setup
+    (tmp_path / "schedule.json").write_text('{"steps": 17}')
+    _, _, hist = loop.train(tcfg, params, stream, stream, settings(), str(tmp_path), until=1, progress=False)
+    assert hist["steps"] == 17 and hist["train"][-1]["lr"] == pytest.approx(loop.learning_rate(0, settings(), 17))
 
 
 def test_resume_continues_with_identical_state(setup, tmp_path):

@@ -1,5 +1,9 @@
 """The training loop: optax AdamW with linear warmup + cosine decay, one jit'd step, resumable Orbax state.
 
+The learning rate is an argument of the step (AdamW with the rate factored out: clip, Adam, decoupled decay, then
+× −lr), computed on the host from (step, total steps) — so a run given a wall-clock budget can fix its total steps
+after timing its first steps, without recompiling, and the cosine still ends where the run ends.
+
 Batches are a pure function of (seed, step) — `numpy.random.default_rng([seed, step])` cuts the windows — so a
 run resumed from its latest checkpoint sees exactly the batches an uninterrupted run would. The Orbax state is
 {trainable fp32 params, optimizer state, step}; integer leaves (tid2eid, the vocabulary map) are rebuilt from the
@@ -41,26 +45,41 @@ class TrainSettings:
     ckpt_every: int = 500
     keep_checkpoints: int = 2
     seed: int = 0
+    time_budget_s: float | None = None  # wall seconds for train() (compile included); fixes the total steps
+
+
+PROBE = (5, 35)  # steps after the start timed to fix a time-budgeted run's total (the first ones compile)
+
+
+def learning_rate(step: int, s: TrainSettings, total: int) -> float:
+    """Linear warmup from 0 to s.lr, then cosine to s.lr·min_lr_ratio at step `total` (optax's
+    warmup_cosine_decay_schedule, evaluated on the host)."""
+    warm = max(1, s.warmup_steps)
+    if step < warm:
+        return s.lr * step / warm
+    span = max(1, total - warm)
+    end = s.lr * s.min_lr_ratio
+    return end + (s.lr - end) * 0.5 * (1 + np.cos(np.pi * min(step - warm, span) / span))
 
 
 def optimizer(s: TrainSettings):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, s.lr, max(1, s.warmup_steps), max(s.steps, s.warmup_steps + 1),
-                                                  s.lr * s.min_lr_ratio)
+    """AdamW without its learning rate (the step multiplies the update by −lr)."""
     decay_mask = lambda tree: jax.tree.map(lambda a: a.ndim >= 2, tree)
-    return optax.chain(optax.clip_by_global_norm(s.grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=s.weight_decay, mask=decay_mask))
+    return optax.chain(optax.clip_by_global_norm(s.grad_clip), optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
+                       optax.add_decayed_weights(s.weight_decay, mask=decay_mask))
 
 
 @functools.lru_cache(maxsize=8)
 def make_step(cfg: ModelConfig, s: TrainSettings):
-    """jit'd (train, opt_state, frozen, batch) -> (train, opt_state, metrics); train/opt_state donated.
+    """jit'd (train, opt_state, frozen, batch, lr) -> (train, opt_state, metrics); train/opt_state donated.
     Cached per (config, settings), so a resumed run in the same process reuses the compiled step."""
     opt = optimizer(s)
 
-    def step(train, opt_state, frozen, batch):
+    def step(train, opt_state, frozen, batch, lr):
         (total, (main, mtp)), grads = jax.value_and_grad(L.total_loss, has_aux=True)(train, frozen, cfg, batch,
                                                                                     s.mtp_weight)
         updates, opt_state = opt.update(grads, opt_state, train)
+        updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
         train = optax.apply_updates(train, updates)
         return train, opt_state, {"loss": total, "main": main, "mtp": mtp, "grad_norm": optax.tree.norm(grads)}
 
@@ -154,8 +173,9 @@ def plot_history(history: dict, path: str) -> None:
 def train(cfg: ModelConfig, params, train_stream: np.ndarray, held_stream: np.ndarray, s: TrainSettings, out: str,
           *, progress: bool = True, log_every: int = 10, until: int | None = None):
     """Train `params` (an init of `train_config(cfg)`), resuming from `out`/checkpoints when it holds any.
-    `until`: stop (with a checkpoint) after that step of the `s.steps`-step schedule; rerun to continue.
-    Returns (trainable params, frozen params, history)."""
+    `until`: stop (with a checkpoint) after that step of the schedule; rerun to continue. With `s.time_budget_s`
+    the schedule's length is fixed after timing steps PROBE (at most `s.steps`) and kept in OUT/schedule.json.
+    Returns (trainable params, frozen params, history); history["steps"] is the schedule's length."""
     from tqdm.auto import tqdm
 
     os.makedirs(out, exist_ok=True)
@@ -178,15 +198,38 @@ def train(cfg: ModelConfig, params, train_stream: np.ndarray, held_stream: np.nd
             json.dump(history, f)
         plot_history(history, os.path.join(out, "loss_curve.png"))
 
-    bar = tqdm(total=s.steps, initial=start, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-    t0, last = time.perf_counter(), None
-    stop = s.steps if until is None else min(until, s.steps)
-    for step in range(start, stop):
-        train, opt_state, m = step_fn(train, opt_state, frozen, jnp.asarray(batch_at(train_stream, s, step)))
-        done = step + 1
+    sched_path = os.path.join(out, "schedule.json")
+    total, fixed = s.steps, not s.time_budget_s
+    if os.path.exists(sched_path):  # a resumed run keeps the total its first run fixed
+        with open(sched_path) as f:
+            total, fixed = int(json.load(f)["steps"]), True
+    history["steps"] = total
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    t_begin, t_probe, last = time.perf_counter(), None, None
+    t0 = t_begin - (history["train"][-1]["time_s"] if history["train"] else 0.0)
+    step = start
+    while step < (total if until is None else min(until, total)):
+        lr = jnp.float32(learning_rate(step, s, total))
+        train, opt_state, m = step_fn(train, opt_state, frozen, jnp.asarray(batch_at(train_stream, s, step)), lr)
+        step = done = step + 1
+        if not fixed and done in (start + PROBE[0], start + PROBE[1]):
+            jax.block_until_ready(m)
+            now = time.perf_counter()
+            if done == start + PROBE[0]:
+                t_probe = now
+            else:  # 8% kept back for evaluations and checkpoints
+                rate = (PROBE[1] - PROBE[0]) / (now - t_probe)
+                total = max(done, min(s.steps, done + int(0.92 * rate * (s.time_budget_s - (now - t_begin)))))
+                fixed = True
+                history["steps"] = total
+                with open(sched_path, "w") as f:
+                    json.dump({"steps": total, "steps_per_s": rate, "time_budget_s": s.time_budget_s}, f)
+                bar.total = total
+                bar.write(f"{rate:.2f} steps/s: {total} steps fit the {s.time_budget_s:.0f} s budget")
+        stop = total if until is None else min(until, total)
         if done % log_every == 0 or done == stop:
             last = {k: float(v) for k, v in m.items()}
-            history["train"].append({"step": done, **last, "time_s": time.perf_counter() - t0})
+            history["train"].append({"step": done, **last, "lr": float(lr), "time_s": time.perf_counter() - t0})
             bar.set_postfix(loss=f"{last['main']:.3f}", mtp=f"{last['mtp']:.3f}")
         if s.eval_every and (done % s.eval_every == 0 or done == stop):
             main, mtp = held_out_loss(evaluate, train, frozen, eval_set, s.batch_size)
