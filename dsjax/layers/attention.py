@@ -4,8 +4,15 @@ Every layer attends to a sliding window of raw KV; CSA layers add the indexer's 
 HCA layers every completed compressed entry. One function serves prefill chunks, decode steps
 and verify blocks: each query gathers a fixed-length key list (its window, then its compressed entries) from the
 layer state and the chunk, so results do not depend on how a sequence was split into chunks.
+
+Long chunks (training windows, early prefill chunks) take a dense path instead when it is cheaper: every query
+scores the same key rows — the ring, the chunk, all compressed entries — under a mask that admits exactly the
+keys of its list. Same keys, same probabilities; only the order of the fp32 sums differs, so it is never used
+when `cfg.batch_invariant` asks for chunking-independent bits. Per-query gathers would materialise
+[B, T, W + k, d] (2 GB a layer for a 32 x 512 training batch); the dense scores are [B, T, H, W + T + N].
 """
 
+import jax
 import jax.numpy as jnp
 
 from dsjax import kv_rows, quant
@@ -46,19 +53,20 @@ def project_kv(x, w: Attention, cfg: ModelConfig, angles):
 def sink_attention(q, keys, valid, sink, scale: float):
     """Softmax attention with a per-head zero-value sink, K = V, over per-query key lists.
 
-    q [b,t,H,d]; keys [b,t,K,d]; valid [b,t,K]. As the reference kernel: fp32 logits, max over the valid keys,
+    q [b,t,H,d]; keys [b,t,K,d] per query, or [b,K,d] shared by all queries; valid [b,t,K]. As the reference kernel: fp32 logits, max over the valid keys,
     probabilities rounded to the compute dtype before P·V, the sink only in the denominator; a query with no
     valid key returns 0. The key list has a fixed length, so the reductions do not depend on the chunking.
     """
     dt = q.dtype
-    logits = einsum_acc32("bthd,btkd->bthk", q, keys) * scale
+    kspec = "btkd" if keys.ndim == 4 else "bkd"
+    logits = einsum_acc32(f"bthd,{kspec}->bthk", q, keys) * scale
     m = valid[:, :, None, :]
     logits = jnp.where(m, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.where(m, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink[None, None, :, None] - row_max)
-    o = einsum_acc32("bthk,btkd->bthd", round_to(p, dt), keys)
+    o = einsum_acc32(f"bthk,{kspec}->bthd", round_to(p, dt), keys)
     return round_to(div_exact(o, denom), dt)
 
 
@@ -73,6 +81,35 @@ def window_keys(ring, kv, start, window: int):
     src = jnp.where(k_pos >= start[:, None, None], window + k_pos - start[:, None, None], k_pos % window)
     keys = take_rows(jnp.concatenate([ring, kv], axis=1), src)
     return keys, k_pos >= 0
+
+
+def dense_window(ring, kv, start, window: int):
+    """The window as shared key rows: (keys [B, W+T, d] = ring then chunk, valid [B, T, W+T]).
+
+    Ring slot s holds the latest position p < start with p ≡ s (mod W) — negative when none was written yet;
+    a query at q admits exactly the positions q-W < p ≤ q, p ≥ 0: the key list `window_keys` gathers."""
+    W, T = ring.shape[1], kv.shape[1]
+    q_pos = start[:, None] + jnp.arange(T)[None, :]                                          # [B,T]
+    last = start[:, None] - 1
+    ring_pos = last - (last - jnp.arange(W)[None, :]) % W                                     # [B,W]
+    k_pos = jnp.concatenate([ring_pos, q_pos], axis=1)                                        # [B,W+T]
+    valid = (k_pos[:, None, :] <= q_pos[..., None]) & (k_pos[:, None, :] > q_pos[..., None] - window) \
+        & (k_pos[:, None, :] >= 0)
+    return jnp.concatenate([ring, kv.astype(ring.dtype)], axis=1), valid
+
+
+def picked_mask(chosen, chosen_ok, n_entries: int):
+    """Top-k picks [B,T,k] (+ their validity) as a mask over all entries [B,T,N]."""
+    hit = jnp.zeros(chosen.shape[:2] + (n_entries,), jnp.int32)
+    hit = jax.vmap(jax.vmap(lambda h, i, ok: h.at[i].max(ok.astype(jnp.int32))))(hit, chosen, chosen_ok)
+    return hit > 0
+
+
+def dense_pays(cfg: ModelConfig, T: int, n_entries: int, ratio: int) -> bool:
+    """The dense path for a chunk of T tokens: not token by token, a long chunk, and its shared key rows
+    (W + T + N) at most 8x the per-query list (W + k, or W + N in HCA layers)."""
+    listed = cfg.window_size + (min(cfg.index_topk, n_entries) if ratio == 4 and cfg.index_topk else n_entries)
+    return not cfg.batch_invariant and T >= 64 and cfg.window_size + T + n_entries <= 8 * listed
 
 
 def update_ring(ring, kv, start, n_valid):
@@ -140,21 +177,27 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
             chosen = pick_entries(x, iq, w.indexer, cfg, new.index.entries, q_pos, ratio, visible)
         o = sparse_attention(q, w.attn_sink, st.window, kv_stored, new.compressor, chosen, cfg, ratio, start)
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new, (x, kv_stored)
-    keys, valid = window_keys(st.window, kv_stored, start, cfg.window_size)
+    n_entries = new.compressor.entries.shape[1] if ratio else 0
+    dense = dense_pays(cfg, T, n_entries, ratio)
+    keys, valid = (dense_window if dense else window_keys)(st.window, kv_stored, start, cfg.window_size)
     keys = kv_rows.load_main(keys, cfg)
     if ratio:
         comp = new.compressor
-        visible = compressed_visible(q_pos, comp.entries.shape[1], ratio)          # [B,T,N]
+        visible = compressed_visible(q_pos, n_entries, ratio)                       # [B,T,N]
+        c_valid = visible
         if w.indexer is not None:
             index_keys = kv_rows.load_index(new.index.entries, cfg)
             scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index_keys, w.indexer, cfg), x, iq)
             chosen, chosen_ok = select_topk(scores, visible, cfg.index_topk)
-            c_keys, c_valid = kv_rows.load_main(take_rows(comp.entries, chosen), cfg), chosen_ok
+            c_valid = picked_mask(chosen, chosen_ok, n_entries) if dense else chosen_ok
+        if dense:
+            c_keys = kv_rows.load_main(comp.entries, cfg)                          # [B,N,d] shared
+        elif w.indexer is not None:
+            c_keys = kv_rows.load_main(take_rows(comp.entries, chosen), cfg)
         else:
             entries = kv_rows.load_main(comp.entries, cfg)
             c_keys = jnp.broadcast_to(entries[:, None], (B, T) + entries.shape[1:])
-            c_valid = visible
-        keys = jnp.concatenate([keys, c_keys.astype(keys.dtype)], axis=2)
+        keys = jnp.concatenate([keys, c_keys.astype(keys.dtype)], axis=keys.ndim - 2)
         valid = jnp.concatenate([valid, c_valid], axis=2)
 
     def attend(q, keys, valid, angles):

@@ -32,9 +32,11 @@ from dsjax.state import init_state
 def train_config(cfg: ModelConfig, compute_dtype: str = "float32") -> ModelConfig:
     """The differentiable twin of `cfg`: bf16-format linears (held in fp32), no fake quant; activations in
     `compute_dtype` (bfloat16: the tensor cores and the activation dtype the checkpoint is served with; the
-    weights are cast per matmul, gradients reach the fp32 masters)."""
+    weights are cast per matmul, gradients reach the fp32 masters). kernels="reference": XLA everywhere, and the
+    routed experts dense (every expert on every token, masked by its routing weight) — with 8 experts that is 4x the
+    routed FLOPs in plain matmuls, where the sorted `ragged_dot`'s gradient materialises [E, rows, d] masks."""
     return cfg.replace(weight_dtype="bf16", expert_dtype="bf16", compute_dtype=compute_dtype, kv_quant_sim=False,
-                       index_quant_sim=False, act_quant_sim=False, batch_invariant=False, kernels="xla")
+                       index_quant_sim=False, act_quant_sim=False, batch_invariant=False, kernels="reference")
 
 
 def _is_float(x) -> bool:
