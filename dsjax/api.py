@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax import checkpoint, kernel_choice, orbax_io, sharding
+from dsjax.assets import BUNDLED, bundled_path
 from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, preset
 from dsjax.errors import ConfigError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
@@ -136,7 +137,8 @@ def enable_compilation_cache(path: str | None = DEFAULT_COMPILATION_CACHE) -> No
 def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "reference-bf16",
          kernels: str = "auto", max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0,
          compilation_cache: str | None = DEFAULT_COMPILATION_CACHE, ignore_vision: bool = False) -> Model:
-    """Load a checkpoint directory (official or transformers layout, or a dsjax Orbax directory) or a preset.
+    """Load a checkpoint directory (official or transformers layout, or a dsjax Orbax directory), a bundled
+    checkpoint (`dsjax-small`, trained, ships in the package) or a preset.
 
     A preset has no released weights here: it gets random weights (seeded), fine for tiny presets and tests.
     `mesh`: a (dp, tp) mesh from `dsjax.make_mesh` (weights land sharded by `sharding.ShardingRules`);
@@ -165,6 +167,8 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
         return cfg, shardings, sizes
 
     path = os.fspath(path_or_preset)
+    if not os.path.exists(path) and bundled_path(path):
+        path = bundled_path(path)
     if os.path.isdir(path):
         if orbax_io.is_orbax_dir(path):
             cfg, shardings, sizes = setup(orbax_io.read_config(path))
@@ -186,4 +190,5 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
         return Model(cfg, params, source=f"preset:{path} (random weights, seed {seed})", mesh=mesh, **sizes)
     if os.path.exists(path):
         raise ConfigError(f"{path}: expected a checkpoint directory (config.json + *.safetensors) or an Orbax directory")
-    raise ConfigError(f"{path!r} is neither a directory nor a known preset; presets: {', '.join(sorted(PRESETS))}")
+    raise ConfigError(f"{path!r} is neither a directory, a bundled checkpoint ({', '.join(BUNDLED)}) nor a known "
+                      f"preset; presets: {', '.join(sorted(PRESETS))}")

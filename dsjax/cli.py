@@ -7,13 +7,14 @@ import json
 import sys
 import time
 
-DEFAULT_MODEL = "tiny-v4"
+DEFAULT_MODEL = "dsjax-small"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="checkpoint directory (official or transformers layout, or a dsjax Orbax directory) or a "
-                        f"preset name (default: {DEFAULT_MODEL}, a tiny V4-architecture model with random weights)")
+                        f"bundled checkpoint, or a preset name (random weights) (default: {DEFAULT_MODEL}, a 12.7M-parameter "
+                        "V4-architecture model trained on Python source, bundled)")
     p.add_argument("--numerics", default="reference-bf16", choices=["transformers", "reference-bf16", "reference-fp8"],
                    help="numeric preset: what transformers computes (fp32, no fake quant), DeepSeek's reference with "
                         "bf16 weights (KV FP8 + index FP4 rounding), or the reference with FP8 activations too")

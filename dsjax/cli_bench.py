@@ -13,11 +13,13 @@ BENCHES = {
     "prefill": ("dsjax.bench.prefill", "prompt tokens/s and MFU at 8k-128k on a layer slice; the 1M projection"),
     "tp": ("dsjax.bench.tp", "decode/verify step, prefill, all-reduce time and logits at several TP degrees"),
     "peer": ("dsjax.bench.peer", "transformers' DeepseekV4ForCausalLM and dsjax on the same GPU and weights"),
+    "accept": ("dsjax.bench.accept", "MTP acceptance length for k = 1..4 on a trained checkpoint (default: the "
+                                     "bundled dsjax-small) and speculative vs plain greedy identity"),
 }
 
 
 def add_bench_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (GPU): repro, ablate, prefill, tp, peer",
+    bench = sub.add_parser("bench", help="benchmarks: repro, ablate, prefill, tp, peer (GPU); accept (any)",
                            description="Benchmarks. Each prints and saves a JSON report with its method.")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, (module, text) in BENCHES.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import shlex
 import sys
@@ -104,6 +105,7 @@ def cmd_train(args) -> int:
         shutil.rmtree(dst)
     windows = corpus.eval_windows(held_stream, settings.eval_windows, settings.seq_len)
     last_eval = history["eval"][-1] if history["eval"] else {}
+    best = min(history["eval"], key=lambda r: r["main"]) if history["eval"] else {"main": float("nan"), "step": 0}
     fp32 = export.held_out_loss_params(merge(train, frozen), tcfg, windows, batch=min(8, len(windows)))
     qparams = export.quantise(merge(train, frozen), cfg)
     readme_info = dict(
@@ -119,7 +121,10 @@ def cmd_train(args) -> int:
         min_lr_ratio=settings.min_lr_ratio, wd=settings.weight_decay, compute=args.compute_dtype, mtp_w=settings.mtp_weight,
         eval_tokens=fp32["tokens"], eval_windows=len(windows), fp32_main=fp32["loss"],
         obj_main=last_eval.get("main", float("nan")), obj_mtp=last_eval.get("mtp", float("nan")),
-        numerics="reference-bf16", loaded=float("nan"), command=command)
+        numerics="reference-bf16", loaded=float("nan"), command=command,
+        reproduce=re.sub(r"--time-budget[ =]\S+", f"--steps {history['steps']}", command),
+        train_s=history["train"][-1]["time_s"] if history["train"] else 0.0, device=jax.devices()[0].device_kind,
+        best_main=best["main"], best_step=best["step"])
     size = export.write(dst, qparams, cfg)
     loaded = export.held_out_loss_loaded(dst, windows, batch=min(8, len(windows)))
     readme_info["loaded"] = loaded["loss"]

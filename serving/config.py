@@ -12,7 +12,7 @@ from dsjax.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    model: str = "tiny-v4"
+    model: str = "dsjax-small"
     served_model_name: str | None = None
     numerics: str = "reference-bf16"
     kernels: str = "auto"
@@ -113,7 +113,7 @@ class ServeConfig:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d.model, help="checkpoint directory or preset name (default: tiny-v4)")
+    g.add_argument("--model", default=d.model, help="checkpoint directory, bundled checkpoint or preset name (default: dsjax-small, the trained bundled model)")
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     g.add_argument("--numerics", default=d.numerics, choices=["transformers", "reference-bf16", "reference-fp8"])
     g.add_argument("--kernels", default=d.kernels, choices=["auto", "pallas", "xla", "reference"])

@@ -119,8 +119,9 @@ FP4 e2m1 routed experts with per-32 scales, bf16 embedding/head), loadable with 
 - Held-out next-token loss (nats/token over {eval_tokens:,} mapped targets of {eval_windows} windows, scored on
   all 129,280 columns): fp32 trained weights {fp32_main:.4f}; this checkpoint through `dsjax.load` (numerics
   {numerics}) **{loaded:.4f}**. Training objective on the held-out windows at the last step (the reserved row
-  a class of its own): next token {obj_main:.4f}, MTP (token t+2) {obj_mtp:.4f}.
-- Reproduce: `{command}`
+  a class of its own): next token {obj_main:.4f}, MTP (token t+2) {obj_mtp:.4f}. Lowest held-out next-token
+  objective during the run: {best_main:.4f} at step {best_step:,}.
+- Run: `{command}` — {train_s:.0f} s of training on {device}. Reproduce exactly: `{reproduce}`
 
 Files: `loss_curve.png` and `history.json` (the run's curves), `train_info.json` (everything above as JSON).
 """
