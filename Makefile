@@ -27,7 +27,7 @@ oracle:
 	bash tests/oracle/build_venv.sh >/dev/null
 
 demo: venv
-	$(VENV)/bin/dsjax generate --prompt "The capital of France is" --max-new-tokens 32
+	$(VENV)/bin/dsjax generate --prompt "$$(printf 'import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.')" --max-new-tokens 64
 
 test: venv oracle redis
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

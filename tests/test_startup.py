@@ -24,6 +24,6 @@ def _first_token_s(cache_dir: str) -> float:
 def test_process_start_to_first_token(tmp_path):
     cold = _first_token_s(str(tmp_path / "xla"))
     warm = _first_token_s(str(tmp_path / "xla"))
-    print(f"tiny-v4 on CPU, process start -> first token: cold cache {cold:.1f} s, warm cache {warm:.1f} s")
+    print(f"dsjax-small (the default) on CPU, process start -> first token: cold cache {cold:.1f} s, warm cache {warm:.1f} s")
     assert warm < cold
     assert cold < 300
