@@ -47,7 +47,10 @@ class ServeConfig:
     kv_peer_port: int = -1            # -1: no KvPeer service (and no handoff)
     cluster_token: str | None = None
     kv_store_bytes: int = 1 << 30
-    kv_handoff_timeout: float = 2.0
+    kv_handoff_timeout: float = 2.0  # the budget's cap (seconds)
+    kv_handoff_alpha: float = 0.5     # budget = α × the estimated prefill the pull saves ...
+    kv_handoff_floor: float = 0.25    # ... but at least this (seconds), and never past the request's deadline
+    kv_lease_seconds: float = 30.0    # a lease the puller stops renewing is freed after this
     kv_transport: str = "auto"        # auto (NIXL when importable) | nixl | grpc
     kv_test_chunk_delay: float = 0.0  # tests only: seconds between Pull chunks
     kv_chunk_bytes: int = 1 << 20
@@ -76,6 +79,10 @@ class ServeConfig:
         if self.kv_transport not in ("auto", "nixl", "grpc"):
             raise ConfigError(f"--kv-transport must be auto, nixl or grpc, got {self.kv_transport!r}")
         positive("kv_store_bytes")
+        if not (self.kv_handoff_alpha > 0 and 0 <= self.kv_handoff_floor <= self.kv_handoff_timeout
+                and self.kv_lease_seconds > 0):
+            raise ConfigError("--kv-handoff-alpha and --kv-lease-seconds must be > 0, and 0 ≤ --kv-handoff-floor ≤ "
+                              "--kv-handoff-timeout")
         positive("kv_chunk_bytes", 4096)
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
@@ -160,7 +167,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(authenticates KvPeer calls and keys conversation ids)")
     k.add_argument("--kv-store-bytes", type=int, default=d.kv_store_bytes, help="host KV store budget in bytes")
     k.add_argument("--kv-handoff-timeout", type=float, default=d.kv_handoff_timeout,
-                   help="seconds a turn may spend getting its KV from a peer before it recomputes")
+                   help="the most seconds a turn may spend getting its KV from a peer before it recomputes")
+    k.add_argument("--kv-handoff-alpha", type=float, default=d.kv_handoff_alpha,
+                   help="a pull may take α x the measured prefill time of the tokens it saves (within the floor, the "
+                        "timeout and the request's deadline)")
+    k.add_argument("--kv-handoff-floor", type=float, default=d.kv_handoff_floor,
+                   help="the least seconds a pull is given (short prompts' estimates fall below one round trip)")
+    k.add_argument("--kv-lease-seconds", type=float, default=d.kv_lease_seconds,
+                   help="owner side: a lease not renewed for this long is freed (pullers renew every half of it)")
     k.add_argument("--kv-transport", default=d.kv_transport, choices=["auto", "nixl", "grpc"],
                    help="data path: NIXL READ (auto: when nixl_cu13 imports) with the chunked gRPC stream as fallback")
     k.add_argument("--kv-chunk-bytes", type=int, default=d.kv_chunk_bytes, help="bytes per chunk of the gRPC data path")

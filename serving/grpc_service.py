@@ -103,7 +103,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 raise ApiError(400, "conversation_id is longer than 256 characters", "conversation_id")
             md = dict(context.invocation_metadata() or ())
             conv = await svc.conversation(request.conversation_id, ApiKey.tenant(
-                md.get("authorization") or (f"key {md['x-api-key']}" if "x-api-key" in md else None)), ids)
+                md.get("authorization") or (f"key {md['x-api-key']}" if "x-api-key" in md else None)), ids,
+                context.time_remaining())
             rid, stream = svc.submit(ids, max_tokens, sampling=sampling,
                                      top_logprobs=request.top_logprobs, stop_token_ids=tuple(request.stop_token_ids),
                                      request_id=request.request_id or None, conversation=conv)

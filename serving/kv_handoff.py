@@ -22,6 +22,7 @@ import grpc
 import jax
 import numpy as np
 
+from dsjax.serving.kv_budget import PrefillClock, handoff_budget
 from dsjax.serving.kv_layout import Layout, digest
 from dsjax.serving.kv_nixl import NixlError
 from dsjax.serving.kv_ownership import Ownership, conversation_id
@@ -51,9 +52,14 @@ class Miss(Exception):
 
 class KvHandoff:
     def __init__(self, layout: Layout, store: HostKvStore, ownership: Ownership | None, *, token: str,
-                 server_id: str, nixl=None, metrics=None, budget_s: float = 2.0):
+                 server_id: str, nixl=None, metrics=None, budget_s: float = 2.0, alpha: float = 0.5,
+                 floor_s: float = 0.25, prefill_chunk: int = 64):
         self.layout, self.store, self.ownership, self.token = layout, store, ownership, token
         self.server_id, self.nixl, self.metrics, self.budget_s = server_id, nixl, metrics, budget_s
+        self.alpha, self.floor_s = alpha, floor_s
+        self.prefill = PrefillClock(prefill_chunk)  # the scheduler reports each prompt's prefill time
+        self.renewals = 0  # Renew calls made by this puller (tests)
+        self.last_budget_s: float | None = None
         self._secret = token.encode()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsjax-kv-store")
@@ -64,16 +70,26 @@ class KvHandoff:
 
     # ---- puller ----
 
-    async def prepare(self, cid: str, prompt: list[int]) -> Start | None:
+    def budget(self, prompt_tokens: int, local_tokens: int, deadline_left_s: float | None) -> float:
+        """Seconds a pull may take for this turn (kv_budget.handoff_budget over the tokens it would save)."""
+        return handoff_budget(self.prefill.estimate(prompt_tokens - local_tokens), deadline_left_s, alpha=self.alpha,
+                              floor_s=self.floor_s, cap_s=self.budget_s)
+
+    async def prepare(self, cid: str, prompt: list[int], deadline_left_s: float | None = None) -> Start | None:
         """Where this turn's KV comes from: the owner's snapshot when Redis names another live server holding more
-        of the prompt than this one, else this server's own; None: recompute (the reason is counted)."""
+        of the prompt than this one, else this server's own; None: recompute (the reason is counted).
+        `deadline_left_s`: the request's remaining deadline (gRPC), which the pull may not outlast."""
         snap = self.store.best(cid, prompt)
         local = None
         if snap is not None:
             local = Start(len(snap.tokens), self.layout.unpack(self.store.read(snap), len(snap.tokens)), "local")
+        budget = self.last_budget_s = self.budget(len(prompt), local.tokens if local else 0, deadline_left_s)
+        if budget <= 0:
+            self._failure("deadline")
+            return local
         t0 = time.perf_counter()
         try:
-            return await asyncio.wait_for(self._from_owner(cid, prompt, local), self.budget_s)
+            return await asyncio.wait_for(self._from_owner(cid, prompt, local), budget)
         except Miss as e:
             self._failure(e.reason)
         except asyncio.TimeoutError:
@@ -140,6 +156,7 @@ class KvHandoff:
                 await self._drop(cid, own)
             raise Miss("not_found" if got.status == pb.NOT_FOUND else "incompatible")
         ok = False
+        renew = asyncio.create_task(self._renew(stub, md, got.lease_id, got.lease_ttl_ms / 1000))
         try:
             data, path = await self._bytes(stub, md, got)
             n = len(got.tokens)
@@ -150,6 +167,7 @@ class KvHandoff:
             row = self.layout.unpack(data, n)
             ok = True
         finally:
+            renew.cancel()
             released = await stub.Release(pb.ReleaseRequest(lease_id=got.lease_id, ok=ok), metadata=md)
         if not (released.valid and released.gen == got.gen):
             raise Miss("gen_mismatch", "the snapshot changed or its lease expired during the transfer")
@@ -157,12 +175,24 @@ class KvHandoff:
             self.metrics.kv_bytes.labels(path=path).inc(len(data))
         return Start(n, row, "peer")
 
+    async def _renew(self, stub, md, lease_id: str, ttl_s: float) -> None:
+        """Keep the lease alive while the transfer runs: Renew every half TTL (the owner frees silent leases)."""
+        if ttl_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(ttl_s / 2)
+            got = await stub.Renew(pb.LeaseRequest(lease_id=lease_id), metadata=md)
+            self.renewals += 1
+            if not got.ok:
+                return  # expired already: Release will report it and the turn recomputes
+
     async def _bytes(self, stub, md, got) -> tuple[bytes, str]:
         """NIXL READ when offered, else (or after one NIXL failure) the chunked stream."""
         if self.nixl is not None and got.nixl.segments:
             try:
                 data = await asyncio.to_thread(self.nixl.read, got.nixl.agent, got.nixl.metadata,
-                                               [(s.addr, s.len) for s in got.nixl.segments], self.budget_s)
+                                               [(s.addr, s.len) for s in got.nixl.segments],
+                                               self.last_budget_s or self.budget_s)
                 return data, "nixl"
             except NixlError as e:
                 log.warning("NIXL path failed, falling back to chunks once: %s", e)

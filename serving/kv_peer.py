@@ -57,6 +57,8 @@ class KvPeerServicer(pb_grpc.KvPeerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such lease (expired or released)")
         offset = request.offset
         while offset < lease.snap.nbytes:
+            if self.store.lease(request.lease_id) is None:  # lapsed mid-stream: its blocks may be reused now
+                await context.abort(grpc.StatusCode.NOT_FOUND, "the lease expired during the transfer")
             data = self.store.read(lease.snap, offset, self.chunk)
             yield pb.PullChunk(offset=offset, data=data)
             offset += len(data)

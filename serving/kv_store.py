@@ -150,13 +150,16 @@ class HostKvStore:
 
     def renew(self, lease_id: str) -> Lease | None:
         with self._lock:
+            self._reap()  # an expired lease stays expired: its snapshot may be freed already
             lease = self._leases.get(lease_id)
             if lease is not None:
                 lease.deadline = max(lease.deadline, time.monotonic() + self.lease_ttl)
             return lease
 
     def release(self, lease_id: str) -> Snapshot | None:
+        """The leased snapshot, unpinned; None when the lease is unknown or expired (the puller then recomputes)."""
         with self._lock:
+            self._reap()
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return None

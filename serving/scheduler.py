@@ -54,6 +54,7 @@ class Request:
     emit: Callable[[RequestOutput], None] = lambda out: None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    admitted_at: float | None = None
     generated: int = 0
     slot: int | None = None
     cached_tokens: int = 0
@@ -203,6 +204,7 @@ class Scheduler:
                     return
                 req = self._waiting.popleft()
             req.slot = slot
+            req.admitted_at = time.monotonic()
             self._slot_owner[slot] = req
             extra = {"start": req.start} if req.start is not None else {}
             if req.images is not None:
@@ -245,6 +247,8 @@ class Scheduler:
                     self.kv.snapshot(req.conversation, "final", req.prompt + req.output, self.engine.snapshot(o.slot))
             if req.first_token_at is None and n:
                 req.first_token_at = now
+                if self.kv is not None and req.admitted_at is not None:  # what a recompute costs here: the budget
+                    self.kv.prefill.observe(len(req.prompt) - req.cached_tokens, now - req.admitted_at)
                 if self.metrics:
                     self.metrics.ttft.observe(now - req.arrival)
             req.generated += n

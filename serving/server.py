@@ -142,7 +142,7 @@ def _kv_handoff(cfg: ServeConfig, model, engine, metrics):
 
     template = jax.eval_shape(take_row, engine.state, jnp.int32(0))
     layout = Layout(template, engine.max_seq, f"{model.cfg!r}|{model.source}")
-    store = HostKvStore(cfg.kv_store_bytes)
+    store = HostKvStore(cfg.kv_store_bytes, lease_ttl_s=cfg.kv_lease_seconds)
     nixl = None
     if cfg.kv_transport == "nixl" and not kv_nixl.available():
         raise ConfigError("--kv-transport nixl: nixl_cu13 is not installed (pip install --no-deps nixl-cu13==1.5.1)")
@@ -151,7 +151,8 @@ def _kv_handoff(cfg: ServeConfig, model, engine, metrics):
     log.info("KV handoff: store %.0f MB, data path %s, layout %s", cfg.kv_store_bytes / 1e6,
              "NIXL + chunked gRPC" if nixl else "chunked gRPC", layout.compat[:12])
     return KvHandoff(layout, store, None, token=cfg.cluster_token, server_id=_server_id(cfg), nixl=nixl,
-                     metrics=metrics, budget_s=cfg.kv_handoff_timeout)
+                     metrics=metrics, budget_s=cfg.kv_handoff_timeout, alpha=cfg.kv_handoff_alpha,
+                     floor_s=cfg.kv_handoff_floor, prefill_chunk=cfg.prefill_chunk)
 
 
 def _server_id(cfg: ServeConfig) -> str:

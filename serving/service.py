@@ -127,13 +127,15 @@ class Service:
             raise bad("request_id", str(e)) from None
         return rid, stream
 
-    async def conversation(self, key: str | None, tenant: str, ids: list[int]) -> tuple[str, object] | None:
+    async def conversation(self, key: str | None, tenant: str, ids: list[int],
+                           deadline_left_s: float | None = None) -> tuple[str, object] | None:
         """(conversation id, where its KV starts) for a named conversation on a server with KV handoff; None
-        otherwise. The id is HMAC'd with the cluster secret and the tenant (the API key's hash)."""
+        otherwise. The id is HMAC'd with the cluster secret and the tenant (the API key's hash). A pull from a peer
+        never outlasts `deadline_left_s` (the gRPC deadline)."""
         if not key or self.kv is None:
             return None
         cid = self.kv.conversation(tenant, key)
-        return cid, await self.kv.prepare(cid, ids)
+        return cid, await self.kv.prepare(cid, ids, deadline_left_s)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         return self.scheduler.abort(request_id, reason)

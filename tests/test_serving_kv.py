@@ -45,13 +45,15 @@ def cluster():
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items() if k != "numerics"]
         a = ServeProcess("A", tmp, redis_url=redis.url, token_file=token_file, api_key=KEY,
                          cache_dir=os.path.join(tmp, "xla"), extra=(*flags, "--kv-chunk-bytes", str(CHUNK),
-                                                                    "--kv-test-chunk-delay", "0.05"))
+                                                                    "--kv-test-chunk-delay", "0.05",
+                                                                    "--kv-handoff-floor", "2"))
         b = None
         try:
             model = dsjax.load("tiny-v4", numerics="transformers", max_seq_len=128, max_batch=4, compilation_cache=None)
             cfg = ServeConfig(model="tiny-v4", port=0, grpc_port=0, api_key=KEY, compilation_cache="none",
                               redis_url=redis.url, server_id="B", kv_peer_port=0, cluster_token=TOKEN,
-                              kv_store_bytes=16 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                              kv_store_bytes=16 << 20, kv_handoff_floor=2.0,  # every pull gets 2 s (maths: test_kv_handoff_budget)
+                              speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                               **ENGINE)
             t0 = time.perf_counter()
             b = ServerThread(cfg, build(cfg, model=model)).start(timeout=300)
