@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax import checkpoint, kernel_choice, orbax_io, sharding
-from dsjax.assets import BUNDLED, bundled_path
+from dsjax.assets import BUNDLED, resolve as resolve_model
 from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, preset
 from dsjax.errors import ConfigError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
@@ -166,9 +166,7 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
                 raise ConfigError(f"max_batch {sizes['max_batch']} must be a multiple of the data-parallel size {dp}")
         return cfg, shardings, sizes
 
-    path = os.fspath(path_or_preset)
-    if not os.path.exists(path) and bundled_path(path):
-        path = bundled_path(path)
+    path = resolve_model(os.fspath(path_or_preset))
     if os.path.isdir(path):
         if orbax_io.is_orbax_dir(path):
             cfg, shardings, sizes = setup(orbax_io.read_config(path))

@@ -73,18 +73,20 @@ def _host_available() -> int:
 def _model_config(cfg: ServeConfig):
     import dsjax
     from dsjax import checkpoint, orbax_io
+    from dsjax.assets import BUNDLED, resolve
     from dsjax.config import PRESETS
     from dsjax.errors import ConfigError
 
+    path = resolve(cfg.model)
     if cfg.model in PRESETS:
         base = dsjax.preset(cfg.model)
-    elif not os.path.isdir(cfg.model):
-        raise ConfigError(f"--model {cfg.model!r} is neither a checkpoint directory nor a known preset; presets: "
-                          f"{', '.join(sorted(PRESETS))}")
-    elif orbax_io.is_orbax_dir(cfg.model):
-        base = orbax_io.read_config(cfg.model)
+    elif not os.path.isdir(path):
+        raise ConfigError(f"--model {cfg.model!r} is neither a checkpoint directory, a bundled checkpoint "
+                          f"({', '.join(BUNDLED)}) nor a known preset; presets: {', '.join(sorted(PRESETS))}")
+    elif orbax_io.is_orbax_dir(path):
+        base = orbax_io.read_config(path)
     else:
-        base = checkpoint.checkpoint_config(cfg.model)
+        base = checkpoint.checkpoint_config(path)
     return base.with_numerics(cfg.numerics)
 
 

@@ -25,3 +25,19 @@ def test_every_package_folder_is_listed_in_pyproject():
 def test_kernels_and_serving_import_under_dsjax():
     import dsjax.kernels.sparse_mqa  # noqa: F401
     import dsjax.serving  # noqa: F401
+
+
+def test_bundled_checkpoint_ships_and_every_entry_point_resolves_it():
+    """dsjax-small is package data (≤ 16 MB: every GPU run carries the tree) and the default of generate and serve."""
+    from dsjax.assets import BUNDLED, resolve
+    from dsjax.cli import DEFAULT_MODEL
+    from dsjax.serving.config import ServeConfig
+    from dsjax.serving.server import _model_config
+
+    path = BUNDLED["dsjax-small"]
+    assert resolve("dsjax-small") == path and resolve("tiny-v4") == "tiny-v4"
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 16 << 20
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert "dsjax-small/*" in tomllib.load(f)["tool"]["setuptools"]["package-data"]["dsjax.assets"]
+    assert DEFAULT_MODEL == ServeConfig().model == "dsjax-small"
+    assert _model_config(ServeConfig()).name == "dsjax-train-small"

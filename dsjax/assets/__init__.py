@@ -16,3 +16,8 @@ BUNDLED = {"dsjax-small": os.path.join(_HERE, "dsjax-small")}
 def bundled_path(name: str) -> str | None:
     """The directory of a bundled checkpoint, or None when `name` is not one."""
     return BUNDLED.get(name)
+
+
+def resolve(model: str) -> str:
+    """`model` as a path: a bundled checkpoint's directory for its name (unless a path of that name exists)."""
+    return bundled_path(model) if not os.path.exists(model) and bundled_path(model) else model
