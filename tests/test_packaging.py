@@ -40,4 +40,4 @@ def test_bundled_checkpoint_ships_and_every_entry_point_resolves_it():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         assert "dsjax-small/*" in tomllib.load(f)["tool"]["setuptools"]["package-data"]["dsjax.assets"]
     assert DEFAULT_MODEL == ServeConfig().model == "dsjax-small"
-    assert _model_config(ServeConfig()).name == "dsjax-train-small"
+    assert _model_config(ServeConfig()).head_vocab_size == 6007
