@@ -4,7 +4,7 @@
     python -m dsjax.serving.kv_bench --transfer 1024 16384 100000               # the handoff alone
     python -m dsjax.serving.kv_bench --layouts-only
 
-End to end (--tokens): two servers in this process on the same weights (tiny-v4, random, numerics transformers,
+End to end (--tokens): two servers in this process on the same weights (tiny-v4, random, --numerics transformers,
 max_model_len = N + 64, so the fixed-shape caches fit the conversation), one `redis-server` on a free loopback
 port. Turn 1 (N prompt tokens) on A; turn 2 (N + 1 tokens, the same conversation) on B, which pulls A's snapshot;
 the same N + 1 tokens on B without a conversation (a recompute). Reported: time to first token of both, the
@@ -56,26 +56,26 @@ def _redis(tmp: str):
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def _tiny(max_len: int):
+def _tiny(max_len: int, numerics: str = "transformers"):
     import dsjax
     from dsjax.params import init_params
 
-    cfg = dsjax.preset("tiny-v4", max_position_embeddings=max(max_len, 4096)).with_numerics("transformers")
+    cfg = dsjax.preset("tiny-v4", max_position_embeddings=max(max_len, 4096)).with_numerics(numerics)
     return dsjax.Model(cfg, init_params(cfg, 0), source="tiny-v4 (random weights, seed 0)", max_seq_len=max_len,
                        max_batch=1)  # tiny-v4 stretched past its 4096-token preset limit: timing only
 
 
-def end_to_end(n: int, transport: str, chunk: int, redis_url: str) -> dict:
+def end_to_end(n: int, transport: str, chunk: int, redis_url: str, numerics: str = "transformers") -> dict:
     import httpx2 as httpx
     import numpy as np
 
     from dsjax.serving.config import ServeConfig
     from dsjax.serving.server import ServerThread, build
 
-    model, servers = _tiny(n + 64), []
+    model, servers = _tiny(n + 64, numerics), []
     try:
         for name in ("A", "B"):
-            cfg = ServeConfig(model="tiny-v4", numerics="transformers", max_num_seqs=1, max_model_len=n + 64, port=0,
+            cfg = ServeConfig(model="tiny-v4", numerics=numerics, max_num_seqs=1, max_model_len=n + 64, port=0,
                               grpc_port=-1, prefill_chunk=min(chunk, n), steps_per_dispatch=1, max_logprobs=0,
                               prefix_cache_entries=0, redis_url=redis_url, server_id=f"{name}{n}", kv_peer_port=0,
                               cluster_token="bench-token-0123456789", kv_store_bytes=1 << 30,
@@ -174,6 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--transfer", type=int, nargs="*", default=[])
     p.add_argument("--transport", default="auto", choices=["auto", "nixl", "grpc"])
     p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--numerics", default="transformers", choices=["transformers", "reference-bf16"],
+                   help="end to end: the servers' numerics (reference-bf16 prefills long prompts much faster on a "
+                        "CPU: HCA layers attend through shared rows instead of per-token copies)")
     p.add_argument("--layouts-only", action="store_true")
     args = p.parse_args(argv)
     for m in ("v4-flash", "v4.1-flash"):
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
             if args.transfer:
                 transfer_only(args.transfer, url)
             for n in args.tokens:
-                print(json.dumps(end_to_end(n, args.transport, args.prefill_chunk, url)), flush=True)
+                print(json.dumps(end_to_end(n, args.transport, args.prefill_chunk, url, args.numerics)), flush=True)
         finally:
             redis.terminate()
             redis.wait(10)
