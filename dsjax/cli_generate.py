@@ -12,8 +12,9 @@ from dsjax.errors import InputError
 class Speedometer:
     """A one-line tokens/s readout on stderr (only when it is a terminal), and the closing summary."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream, self.live = stream, stream.isatty()
+    def __init__(self, stream=None):
+        stream = sys.stderr if stream is None else stream  # looked up per call: a default bound at import time
+        self.stream, self.live = stream, stream.isatty()  # outlives a test's captured (then closed) stderr
         self.t0 = time.perf_counter()
         self.first = None
         self.n = 0
@@ -72,8 +73,9 @@ def _prompt_ids(args, tok, family: str, thinking: bool, history=None, image_toke
     return [0] + [image_token_id] * len(images) + tok.encode(args.prompt)  # raw completion: BOS, images, text
 
 
-def run_stream(model, tok, ids, args, out=sys.stdout, images=None):
+def run_stream(model, tok, ids, args, out=None, images=None):
     """Generate from `ids`, printing text as it arrives; returns (token ids, stats)."""
+    out = sys.stdout if out is None else out
     dec = tok.incremental_decoder(skip_special_tokens=not args.show_special)
     meter = Speedometer()
     tokens = []

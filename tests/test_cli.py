@@ -74,7 +74,7 @@ def test_info_v41(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["logits", "--prompt", "hi", "--model", "no-such-model"], "'no-such-model' is neither a directory, a bundled checkpoint \\(dsjax-small\\) nor a known preset"),
+    (["logits", "--prompt", "hi", "--model", "no-such-model"], "'no-such-model' is neither a directory, a bundled checkpoint (dsjax-small) nor a known preset"),
     (["logits", "--prompt", "hi", "--model", "v4-flash"], "GiB"),
     (["logits", "--prompt", "hi", "--model", "v4.1-flash"], "GiB"),
     (["info", "no-such-model"], "unknown preset 'no-such-model'"),

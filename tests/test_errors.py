@@ -60,9 +60,9 @@ def test_unknown_preset():
 
 def test_load_unknown_name_or_missing_path(tmp_path):
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(dsjax.ConfigError, match=r"nowhere'? is neither a directory nor a known preset; presets: .*v4-flash"):
+    with pytest.raises(dsjax.ConfigError, match=r"nowhere'? is neither a directory, a bundled checkpoint \(dsjax-small\) nor a known preset; presets: .*v4-flash"):
         dsjax.load(missing)
-    with pytest.raises(dsjax.ConfigError, match=r"'v5-flash' is neither a directory nor a known preset"):
+    with pytest.raises(dsjax.ConfigError, match=r"'v5-flash' is neither a directory, a bundled checkpoint"):
         dsjax.load("v5-flash")
 
 
