@@ -49,7 +49,7 @@ def cmd_logits(args) -> int:
         return 0
     print(f"model: {model.source} ({model.cfg.name}, numerics {model.cfg.numerics})")
     if "random weights" in model.source:
-        print("note: random weights — the scores below are noise, not language (a trained default comes later)")
+        print("note: random weights — the scores below are noise, not language (the default dsjax-small is trained)")
     print(f"prompt: {len(ids)} tokens; forward (incl. compile) {t2 - t1:.2f} s")
     for i in top:
         print(f"  {int(i):>7d}  {logp[i]:8.3f}  {tok.decode([int(i)])!r}")
