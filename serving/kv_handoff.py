@@ -59,7 +59,7 @@ class KvHandoff:
         self.alpha, self.floor_s = alpha, floor_s
         self.prefill = PrefillClock(prefill_chunk)  # the scheduler reports each prompt's prefill time
         self.renewals = 0  # Renew calls made by this puller (tests)
-        self.last_budget_s: float | None = None
+        self.last_budget_s: float | None = None  # the latest turn's budget (observability; each pull gets its own)
         self._secret = token.encode()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsjax-kv-store")
@@ -89,7 +89,7 @@ class KvHandoff:
             return local
         t0 = time.perf_counter()
         try:
-            return await asyncio.wait_for(self._from_owner(cid, prompt, local), budget)
+            return await asyncio.wait_for(self._from_owner(cid, prompt, local, budget), budget)
         except Miss as e:
             self._failure(e.reason)
         except asyncio.TimeoutError:
@@ -108,7 +108,7 @@ class KvHandoff:
         if self.metrics:
             self.metrics.kv_failures.labels(reason=reason).inc()
 
-    async def _from_owner(self, cid: str, prompt: list[int], local: Start | None) -> Start | None:
+    async def _from_owner(self, cid: str, prompt: list[int], local: Start | None, budget: float) -> Start | None:
         if self.ownership is None:
             if local is not None:
                 return local
@@ -130,7 +130,7 @@ class KvHandoff:
         if own.get("srv") == self.server_id or not srv:  # we evicted it, or the owner is gone: a stale entry
             await self._drop(cid, own)
             raise Miss("stale", f"owner {own.get('srv')} {'is this server' if srv else 'is not alive'}")
-        return await self._pull(srv["kvpeer"], cid, prompt, own)
+        return await self._pull(srv["kvpeer"], cid, prompt, own, budget)
 
     async def _drop(self, cid: str, own: dict) -> None:
         try:
@@ -145,7 +145,7 @@ class KvHandoff:
                 addr, options=[("grpc.max_receive_message_length", 64 << 20)])
         return pb_grpc.KvPeerStub(ch)
 
-    async def _pull(self, addr: str, cid: str, prompt: list[int], own: dict) -> Start:
+    async def _pull(self, addr: str, cid: str, prompt: list[int], own: dict, budget: float) -> Start:
         stub, md = self._stub(addr), ((TOKEN_HEADER, self.token),)
         req = pb.AcquireRequest(conversation_id=cid, prompt=prompt, compat=self.layout.compat)
         if self.nixl is not None:
@@ -158,7 +158,7 @@ class KvHandoff:
         ok = False
         renew = asyncio.create_task(self._renew(stub, md, got.lease_id, got.lease_ttl_ms / 1000))
         try:
-            data, path = await self._bytes(stub, md, got)
+            data, path = await self._bytes(stub, md, got, budget)
             n = len(got.tokens)
             if len(data) != got.total_bytes or digest([np.frombuffer(data, np.uint8)]) != got.digest:
                 raise Miss("corrupt", f"{len(data)} of {got.total_bytes} bytes, digest mismatch")
@@ -186,13 +186,12 @@ class KvHandoff:
             if not got.ok:
                 return  # expired already: Release will report it and the turn recomputes
 
-    async def _bytes(self, stub, md, got) -> tuple[bytes, str]:
+    async def _bytes(self, stub, md, got, budget: float) -> tuple[bytes, str]:
         """NIXL READ when offered, else (or after one NIXL failure) the chunked stream."""
         if self.nixl is not None and got.nixl.segments:
             try:
                 data = await asyncio.to_thread(self.nixl.read, got.nixl.agent, got.nixl.metadata,
-                                               [(s.addr, s.len) for s in got.nixl.segments],
-                                               self.last_budget_s or self.budget_s)
+                                               [(s.addr, s.len) for s in got.nixl.segments], budget)
                 return data, "nixl"
             except NixlError as e:
                 log.warning("NIXL path failed, falling back to chunks once: %s", e)
