@@ -301,3 +301,39 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
     vals = gather(w_ref, e, r2, cols[None, :]).astype(dtype)
     scale = e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block)) if fmt == "fp8" else None
     return [(cols, vals, scale)]
+
+
+def piece_width(kv, fmt, d: int) -> int:
+    """Columns per value piece of a key tile: the FP8 block for compact rows, else 64 (or d when smaller)."""
+    width = fmt.block if kv.dtype == jnp.uint8 else min(64, d)
+    if d % width or width & (width - 1) or width < 16:
+        raise ValueError(f"attention kernel: value dim {d} must split into power-of-two pieces >= 16 (got {width})")
+    return width
+
+
+def flash_scores(q_pieces, key_pieces, scale: float):
+    """Σ over column pieces of q · keyᵀ: fp32 logits [rows, keys] (pieces avoid concatenating in a kernel)."""
+    total = dot_nt(q_pieces[0], key_pieces[0])
+    for qp, kp in zip(q_pieces[1:], key_pieces[1:]):
+        total = total + dot_nt(qp, kp)
+    return total * scale
+
+
+def flash_init(rows: int, n_pieces: int, width: int):
+    """Online-softmax carry: (running max -inf, running sum 0, one fp32 [rows, width] accumulator per piece)."""
+    return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(n_pieces)))
+
+
+def flash_step(carry, logits, ok, value_pieces, dtype):
+    """One key block of an online softmax (K = V): logits [rows, bk] fp32, ok broadcastable to it. As the
+    reference, p is rounded to the compute dtype before P·V (relative to the running max)."""
+    m, l, accs = carry
+    logits = jnp.where(ok, logits, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.where(ok, jnp.exp(logits - m_safe[:, None]), 0.0)
+    pd = p.astype(dtype)
+    accs = tuple(alpha[:, None] * a + dot_nn(pd, v) for a, v in zip(accs, value_pieces))
+    return m_new, alpha * l + jnp.sum(p, axis=1), accs

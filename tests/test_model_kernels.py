@@ -23,13 +23,15 @@ def models():
     return {k: dsjax.load("tiny-v4", kernels=k, max_seq_len=128, max_batch=2) for k in ("xla", "pallas")}
 
 
-def test_attention_layers_match_xla(models, test_seed):
-    """Each layer kind (window, CSA, HCA) over a 48-token chunk, same inputs and state: within the sparse MQA
-    kernel's tolerance (2^-6 of the largest |output|: split partials and the final bf16 rounding)."""
+@pytest.mark.parametrize("T", [48, 6], ids=["prefill-chunk-kernel", "verify-sparse-mqa-kernel"])
+def test_attention_layers_match_xla(models, test_seed, T):
+    """Each layer kind (window, CSA, HCA) over a chunk, same inputs and state: within the kernels' tolerance
+    (2^-6 of the largest |output|: flash partials and the final bf16 rounding). 48 tokens take the chunk attention
+    kernel, 6 (a verify block) the sparse MQA kernel."""
     cfg = models["xla"].cfg
     st = init_state(cfg, 2, 128)
-    x = jax.random.normal(jax.random.key(test_seed), (2, 48, cfg.dim), jnp.float32).astype(jnp.bfloat16)
-    start, n = jnp.array([0, 0], jnp.int32), jnp.array([48, 40], jnp.int32)
+    x = jax.random.normal(jax.random.key(test_seed), (2, T, cfg.dim), jnp.float32).astype(jnp.bfloat16)
+    start, n = jnp.array([0, 0], jnp.int32), jnp.array([T, T - 2], jnp.int32)
     kinds = {}
     for i in range(cfg.n_layers):                       # the first layer of each kind
         kinds.setdefault(cfg.layer_ratio(i), i)

@@ -9,6 +9,10 @@ Shapes (V4-Flash): sparse MQA decode attention — 64 heads x 512, 584-byte FP8 
 slot, window 128, at 64k context the CSA layer's 512 picks of 16,384 entries and the HCA layer's 512 entries, at
 1M context (batch 1) 8,192 HCA entries and 512 picks of 262,144; lightning indexer — 64 heads x 128, 68-byte FP4
 keys, 262,144 entries (1M context), top-512; MoE — 256 experts 4096 -> 2048, top-6, FP4 (and FP8, bf16).
+Chunk (prefill) attention — a 1,024-token chunk ending at 8k / 64k / 128k / 1M context, 64 heads x 512, FP8
+rows: the window layer (128 window keys), the HCA layer (+ every completed entry, context/128) and the CSA layer
+(+ 512 picks of context/4); its figure is useful TFLOP/s (4·d FLOPs per head per visible key) against the bf16
+matmul rate of the same run (torch and jnp, 8192³).
 Bytes are what the op must read at least: the distinct rows / experts selected, the queries, the output.
 """
 
@@ -27,7 +31,7 @@ import numpy as np
 from dsjax import kv_rows, quant
 from dsjax.bench.report import run_info
 from dsjax.bench.roofline import torch_roofline
-from dsjax.kernels import indexer_topk, moe_gemm, sparse_mqa
+from dsjax.kernels import chunk_attention, indexer_topk, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
 from dsjax.weights import Linear
 
@@ -114,6 +118,89 @@ def bench_mqa(emit, sweep: bool, smoke: bool = False):
         side_by_side(emit, run, args, dict(op="sparse_mqa", case=name, batch=B, entries=N), nbytes, configs)
 
 
+# ----------------------------------------------------------------------------- chunk (prefill) attention
+
+def chunk_case(key, context: int, kind: str, T: int = 1024, H: int = 64, window: int = 128):
+    """A chunk of T queries at positions [context - T, context) of one sequence: segments (+ picks) and the
+    number of (query, key) pairs visible — the work a dense-FLOP count charges."""
+    fmt = MainRowFormat()
+    cfg = type("C", (), dict(nope_head_dim=fmt.nope, kv_quant_block=fmt.block, rope_head_dim=fmt.rope))
+    ks = jax.random.split(key, 6)
+
+    def rows(k, n):
+        v = jax.random.normal(k, (1, n, fmt.dim), jnp.float32)
+        v = jnp.concatenate([quant.fp8_e4m3_sim(v[..., :fmt.nope], fmt.block), v[..., fmt.nope:]], -1)
+        return kv_rows.pack_main(v.astype(jnp.bfloat16), cfg)
+
+    start = jnp.array([context - T], jnp.int32)
+    q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    q = jax.random.normal(ks[0], (1, T, H, fmt.dim), jnp.float32).astype(jnp.bfloat16)
+    sink = jax.random.normal(ks[1], (H,), jnp.float32)
+    segs = [chunk_attention.window_segment(rows(ks[2], window), rows(ks[3], T), start, window)]
+    pairs = T * window
+    picks = None
+    if kind == "hca":
+        n = context // 128
+        segs.append(chunk_attention.compressed_segment(rows(ks[4], n), 128))
+        pairs += int(np.sum((np.asarray(q_pos[0]) + 1) // 128))
+    elif kind == "csa":
+        n = context // 4
+        idx = jax.random.randint(ks[5], (1, T, 512), 0, n, jnp.int32)
+        picks = (rows(ks[4], n), idx)
+        pairs += T * 512
+    return (q, q_pos, sink, segs, picks), fmt, pairs * H
+
+
+def jnp_matmul_tflops() -> float:
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * 8192 ** 3 / time_us(f, a) / 1e6
+
+
+def bench_chunk(emit, sweep: bool, smoke: bool = False):
+    mm = None if smoke else jnp_matmul_tflops()
+    emit(dict(op="matmul", impl="jnp", shape="8192^3 bf16", TFLOPs=mm))
+    cases = [("hca", 2048), ("csa", 2048)] if smoke else [
+        (kind, ctx) for ctx in (8192, 65536, 131072, 1 << 20) for kind in ("window", "hca", "csa")]
+    configs = [{}]
+    if sweep:
+        configs += [dict(block_q=bq, block_k=bk, num_warps=w) for bq in (64, 128) for bk in (32, 64, 128)
+                    for w in (4, 8) if (bq, bk, w) != (64, 64, 8)] + [dict(num_stages=3)]
+    T = 256 if smoke else 1024
+    for kind, ctx in cases:
+        args, fmt, pairs = chunk_case(jax.random.key(3), ctx, kind, T=T)
+        q, q_pos, sink, segs, picks = args
+        nbytes = sum(s.kv.nbytes for s in segs) + (picks[0].nbytes if picks else 0) + 2 * q.nbytes
+        flops = 4 * pairs * fmt.dim
+
+        def run(impl, **o):
+            f = functools.partial(chunk_attention.chunk_attention, scale=fmt.dim ** -0.5, row_format=fmt,
+                                  implementation=impl, **o)
+            return jax.jit(lambda q, q_pos, sink, segs, picks: f(q, q_pos, sink, segs, picks))
+
+        base = dict(op="chunk_attention", case=f"{kind}@{ctx // 1024}k", tokens=T, context=ctx, flops=flops,
+                    matmul_TFLOPs_jnp=mm)
+        if kind == "csa" and ctx > 131072:      # the dense-mask XLA path would score all 262k entries per query
+            for opts in configs[:1]:
+                fn = run("pallas", **opts)
+                us = time_us(fn, *args)
+                emit(dict(base, impl="pallas", options=opts, us=us, bytes=nbytes, TFLOPs=flops / us / 1e6))
+            continue
+        xla_fn = run("xla")
+        want = xla_fn(*args)
+        t_xla = time_us(xla_fn, *args, calls=5)
+        emit(dict(base, impl="xla", us=t_xla, bytes=nbytes, TFLOPs=flops / t_xla / 1e6))
+        for opts in (configs if kind == "hca" and ctx == 131072 else configs[:1]):
+            try:
+                fn = run("pallas", **opts)
+                err = rel_diff(fn(*args), want)
+                us = time_us(fn, *args)
+                emit(dict(base, impl="pallas", options=opts, us=us, bytes=nbytes, TFLOPs=flops / us / 1e6,
+                          of_matmul_jnp=(flops / us / 1e6 / mm) if mm else None, rel_diff_vs_xla=err, xla_us=t_xla))
+            except Exception as e:  # noqa: BLE001
+                emit(dict(base, impl="pallas", options=opts, error=repr(e)[:800]))
+
+
 # ----------------------------------------------------------------------------- lightning indexer
 
 def bench_indexer(emit, sweep: bool, smoke: bool = False):
@@ -195,7 +282,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="moe,mqa,indexer", help="comma-separated: moe, mqa, indexer")
+    p.add_argument("--ops", default="moe,mqa,indexer,chunk", help="comma-separated: moe, mqa, indexer, chunk")
     p.add_argument("--sweep", action="store_true", help="also time a grid of kernel block sizes")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
@@ -207,6 +294,8 @@ def main(argv=None) -> int:
     out = open(args.out, "a") if args.out else None
 
     def emit(rec):
+        if roof.get("matmul_TFLOPs") and rec.get("TFLOPs"):
+            rec["of_matmul_torch"] = rec["TFLOPs"] / roof["matmul_TFLOPs"]
         if roof.get("copy_GBps") and "bytes" in rec and "us" in rec:
             rec["GBps"] = rec["bytes"] / rec["us"] / 1e3
             rec["of_copy_bw"] = rec["GBps"] / roof["copy_GBps"]
@@ -219,7 +308,7 @@ def main(argv=None) -> int:
             out.flush()
 
     emit(head)
-    bench = {"moe": bench_moe, "mqa": bench_mqa, "indexer": bench_indexer}
+    bench = {"moe": bench_moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk}
     for op in args.ops.split(","):
         bench[op](emit, args.sweep, args.smoke)
     return 0

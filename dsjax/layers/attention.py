@@ -169,13 +169,16 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     kv_stored = kv_rows.store_main(kv, cfg)
     new = commit_layer(x, kv_stored, w, cfg, layer, st, start, n_valid)
     ratio = cfg.layer_ratio(layer)
-    if choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype, sharded=active_mesh() is not None) == "pallas":
-        from dsjax.layers.sparse_attention import pick_entries, sparse_attention   # kernel path
+    sharded = active_mesh() is not None
+    op = "chunk_attention" if T > 16 else "sparse_mqa"          # prefill chunks vs decode / verify blocks
+    if choose(cfg, op, rows=B * T, chunk=T, dtype=q.dtype, sharded=sharded) == "pallas":
+        from dsjax.layers import sparse_attention as kernel_path
         visible = compressed_visible(q_pos, new.compressor.entries.shape[1], ratio) if ratio else None
         chosen = None
         if ratio and w.indexer is not None:
-            chosen = pick_entries(x, iq, w.indexer, cfg, new.index.entries, q_pos, ratio, visible)
-        o = sparse_attention(q, w.attn_sink, st.window, kv_stored, new.compressor, chosen, cfg, ratio, start)
+            chosen = kernel_path.pick_entries(x, iq, w.indexer, cfg, new.index.entries, q_pos, ratio, visible)
+        attend = kernel_path.chunk_attention if op == "chunk_attention" else kernel_path.sparse_attention
+        o = attend(q, w.attn_sink, st.window, kv_stored, new.compressor, chosen, cfg, ratio, start)
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new, (x, kv_stored)
     n_entries = new.compressor.entries.shape[1] if ratio else 0
     dense = dense_pays(cfg, T, n_entries, ratio)

@@ -1,5 +1,6 @@
-"""Attention through the sparse MQA kernel (`dsjax.kernels.sparse_mqa`): the cache's stored rows and per-query
-index lists instead of gathered key copies.
+"""Attention through the kernels: the sparse MQA kernel (`dsjax.kernels.sparse_mqa`: the cache's stored rows and
+per-query index lists instead of gathered key copies) for decode / verify, the chunk attention kernel
+(`dsjax.kernels.chunk_attention`: shared window and HCA rows, block-sparse) for prefill chunks.
 
 The same keys in the same order as `attention`'s XLA path — the window (ring, then this chunk) and the CSA
 picks or every completed HCA entry — so the result is `sink_attention`'s up to the kernel's split softmax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 
 from dsjax import kv_rows
 from dsjax.kernel_choice import choose
-from dsjax.kernels import sparse_mqa
+from dsjax.kernels import chunk_attention as chunk_op, sparse_mqa
 from dsjax.kernels.indexer_topk import indexer_topk
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
 from dsjax.layers.indexer import index_scores, index_weights, select_topk
@@ -48,3 +49,21 @@ def sparse_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, st
         window, comp_kv = window.astype(q.dtype), None if comp_kv is None else comp_kv.astype(q.dtype)
     return sparse_mqa.sparse_mqa_decode(q, sink, window, win_idx, comp_kv, comp_idx, scale=cfg.head_dim ** -0.5,
                                         row_format=fmt, implementation="pallas")
+
+
+def chunk_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, start):
+    """As `sparse_attention`, for a prefill chunk: the window and every HCA entry as shared segments (each
+    visible to an interval of positions), CSA picks as per-query lists. Returns o [B,T,H,d] before the
+    inverse rope."""
+    T = q.shape[1]
+    fmt = MainRowFormat.from_config(cfg)
+    cast = (lambda x: x) if kv_rows.main_rows_compact(cfg) else (lambda x: x.astype(q.dtype))
+    q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    segments = [chunk_op.window_segment(cast(ring), cast(kv_stored), start, cfg.window_size)]
+    picks = None
+    if ratio and chosen is not None:
+        picks = (cast(comp.entries), sparse_mqa.csa_indices(*chosen))
+    elif ratio:
+        segments.append(chunk_op.compressed_segment(cast(comp.entries), ratio))
+    return chunk_op.chunk_attention(q, q_pos, sink, segments, picks, scale=cfg.head_dim ** -0.5, row_format=fmt,
+                                    implementation="pallas")

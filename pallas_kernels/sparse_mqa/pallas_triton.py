@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import (dot_nn, dot_nt, dot_tile, main_row_pieces, pad_axis, row_width, triton_interpret,
-                                  triton_params)
+from dsjax.kernels.common import (dot_tile, flash_init, flash_scores, flash_step, main_row_pieces, pad_axis,
+                                  piece_width, row_width, triton_interpret, triton_params)
 from dsjax.kernels.sparse_mqa.xla import combine
 
 TARGET_PROGRAMS = 4 * 132   # enough programs to fill an H200's 132 SMs a few times over
@@ -32,20 +32,13 @@ def split_shape(n_keys: int, block_k: int, num_splits: int | None, other_program
     return splits, -(-blocks // splits) * block_k
 
 
-def _piece_width(kv, fmt, d: int) -> int:
-    width = fmt.block if kv.dtype == jnp.uint8 else min(64, d)
-    if d % width or width & (width - 1) or width < 16:
-        raise ValueError(f"sparse_mqa pallas: value dim {d} must split into power-of-two pieces >= 16 (got {width})")
-    return width
-
-
 def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: int = 64,
              num_splits: int | None = None, num_warps: int = 8, num_stages: int = 2, interpret=None):
     """Defaults: the fastest of the H200 sweep (docs/benchmarks.md, block_k 32/64 x head_block 32/64 x 4/8 warps)."""
     """q [B,Q,H,d], kv [B,N,R], idx int32 [B,Q,K] -> (m [B,Q,S,H], l [B,Q,S,H], acc [B,Q,S,H,d]) in fp32."""
     B, Q, H, d = q.shape
     assert row_width(kv, fmt) == d, (kv.shape, fmt, d)
-    width = _piece_width(kv, fmt, d)
+    width = piece_width(kv, fmt, d)
     hp = dot_tile(H)
     hb = min(hp, head_block)
     groups = hp // hb
@@ -60,22 +53,12 @@ def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: in
         qs = [q_ref[r, heads, pl.ds(c, width)] for c in range(0, d, width)]
 
         def chunk(c, carry):
-            m, l, accs = carry
             ids = idx_ref[r, pl.ds(s * per_split + c * block_k, block_k)]
             ok = ids >= 0
             keys = [k for _, k in main_row_pieces(kv_ref, b, jnp.maximum(ids, 0), ok, fmt, width, dt)]
-            logits = functools.reduce(jnp.add, [dot_nt(qp, kp) for qp, kp in zip(qs, keys)]) * scale
-            logits = jnp.where(ok[None, :], logits, -jnp.inf)                 # [hb, block_k]
-            m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m - m_safe)
-            p = jnp.where(ok[None, :], jnp.exp(logits - m_safe[:, None]), 0.0)
-            pd = p.astype(dt)
-            accs = tuple(alpha[:, None] * a + dot_nn(pd, kp) for a, kp in zip(accs, keys))
-            return m_new, alpha * l + jnp.sum(p, axis=1), accs
+            return flash_step(carry, flash_scores(qs, keys, scale), ok[None, :], keys, dt)
 
-        init = (jnp.full((hb,), -jnp.inf, jnp.float32), jnp.zeros((hb,), jnp.float32),
-                tuple(jnp.zeros((hb, width), jnp.float32) for _ in qs))
+        init = flash_init(hb, len(qs), width)
         m, l, accs = jax.lax.fori_loop(0, per_split // block_k, chunk, init)
         m_ref[r, s, heads] = m
         l_ref[r, s, heads] = l
