@@ -164,8 +164,9 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
         (kind, ctx) for ctx in (8192, 65536, 131072, 1 << 20) for kind in ("window", "hca", "csa")]
     configs = [{}]
     if sweep:
-        configs += [dict(block_q=bq, block_k=bk, num_warps=w) for bq in (64, 128) for bk in (32, 64, 128)
-                    for w in (4, 8) if (bq, bk, w) != (64, 64, 8)] + [dict(num_stages=3)]
+        configs += [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st) for bq, bk, w, st in (
+            (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3),
+            (128, 64, 8, 1), (32, 64, 4, 2))]
     T = 256 if smoke else 1024
     for kind, ctx in cases:
         args, fmt, pairs = chunk_case(jax.random.key(3), ctx, kind, T=T)
