@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from dsjax.config import ModelConfig
 from dsjax.layers.csa2 import attention41, commit_layer41
 from dsjax.layers.engram import engram, engram_rows, hash_ids, next_history
-from dsjax.layers.hyper_connections import _mixes, hc_post, sinkhorn_split
+from dsjax.layers.hyper_connections import _mixes, hc_post, mixes_split
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rows import per_token
@@ -27,7 +27,7 @@ from dsjax.v41_weights import Block41, Model41
 def mixes(h, mix, cfg: ModelConfig):
     """(pre, post, comb) of one sub-layer from the stream h [b,s,n,D] (rsqrt statistic with norm_eps)."""
     _, m = _mixes(h, mix.fn, cfg.norm_eps)
-    return sinkhorn_split(m, mix, cfg)
+    return mixes_split(m, mix, cfg, h.dtype)
 
 
 def collapse(h, pre):

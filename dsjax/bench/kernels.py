@@ -31,7 +31,7 @@ import numpy as np
 from dsjax import kv_rows, quant
 from dsjax.bench.report import run_info
 from dsjax.bench.roofline import torch_roofline
-from dsjax.kernels import chunk_attention, indexer_topk, moe_gemm, sparse_mqa
+from dsjax.kernels import chunk_attention, indexer_topk, mhc_sinkhorn, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
 from dsjax.weights import Linear
 
@@ -50,7 +50,9 @@ def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:
 
 
 def rel_diff(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    """max |a - b| / max |b| (tuples of outputs: over all of them)."""
+    flat = lambda x: np.concatenate([np.ravel(np.asarray(y, np.float32)) for y in jax.tree.leaves(x)])  # noqa: E731
+    a, b = flat(a), flat(b)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
@@ -202,6 +204,27 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
                 emit(dict(base, impl="pallas", options=opts, error=repr(e)[:800]))
 
 
+# ----------------------------------------------------------------------------- mHC split + Sinkhorn
+
+def bench_mhc(emit, sweep: bool, smoke: bool = False):
+    """The split of one sub-layer's mixes (n = 4, 20 iterations) at decode, verify and prefill row counts: the
+    model's scan ("reference"), the unrolled XLA path and the fused kernel."""
+    n, width = 4, 24
+    for rows in ((1, 64) if smoke else (1, 6, 192, 2048, 16384)):
+        ks = jax.random.split(jax.random.key(rows), 3)
+        m = jax.random.normal(ks[0], (1, rows, width), jnp.float32)
+        scale = jax.random.uniform(ks[1], (3,), jnp.float32, 0.5, 2.0)
+        base = jax.random.normal(ks[2], (width,), jnp.float32)
+        args = (m, scale, base)
+        run = lambda impl, **o: jax.jit(functools.partial(mhc_sinkhorn.mhc_sinkhorn, n=n, iters=20, eps=1e-6,
+                                                          implementation=impl, **o))
+        scan = run("reference")
+        t_scan = time_us(scan, *args)
+        emit(dict(op="mhc_sinkhorn", rows=rows, impl="reference (scan)", us=t_scan, bytes=m.nbytes * 2))
+        side_by_side(emit, run, args, dict(op="mhc_sinkhorn", rows=rows, scan_us=t_scan), m.nbytes * 2,
+                     [{}] + ([dict(block_rows=b) for b in (64, 128, 512)] if sweep and rows >= 2048 else []))
+
+
 # ----------------------------------------------------------------------------- lightning indexer
 
 def bench_indexer(emit, sweep: bool, smoke: bool = False):
@@ -283,7 +306,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="moe,mqa,indexer,chunk", help="comma-separated: moe, mqa, indexer, chunk")
+    p.add_argument("--ops", default="moe,mqa,indexer,chunk,mhc", help="comma-separated: moe, mqa, indexer, chunk, mhc")
     p.add_argument("--sweep", action="store_true", help="also time a grid of kernel block sizes")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
@@ -309,7 +332,7 @@ def main(argv=None) -> int:
             out.flush()
 
     emit(head)
-    bench = {"moe": bench_moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk}
+    bench = {"moe": bench_moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc}
     for op in args.ops.split(","):
         bench[op](emit, args.sweep, args.smoke)
     return 0

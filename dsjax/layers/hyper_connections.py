@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
+from dsjax.kernel_choice import choose
 from dsjax.weights import HcHead, HyperMix
 from dsjax.numerics import div_exact, materialize, mean_exact, round_to, sigmoid, sum_in_order
 
@@ -19,8 +20,11 @@ def _mixes(h, fn, eps):
     return x, m
 
 
-def sinkhorn_split(m, mix: HyperMix, cfg: ModelConfig):
-    """Mixes [.., (2+n)n] -> pre [.., n], post [.., n], comb [.., n(j), n(k)] (rows j = old stream)."""
+def sinkhorn_split(m, mix: HyperMix, cfg: ModelConfig, unroll: bool = False):
+    """Mixes [.., (2+n)n] -> pre [.., n], post [.., n], comb [.., n(j), n(k)] (rows j = old stream).
+
+    unroll: the Sinkhorn iterations as straight-line code (one XLA fusion) instead of a scan (a loop of tiny
+    kernels): same operations, same order."""
     n, eps = cfg.hc_mult, cfg.hc_eps
     pre = sigmoid(m[..., :n] * mix.scale[0] + mix.base[:n]) + eps
     post = 2 * sigmoid(m[..., n:2 * n] * mix.scale[1] + mix.base[n:2 * n])
@@ -34,14 +38,29 @@ def sinkhorn_split(m, mix: HyperMix, cfg: ModelConfig):
         c = div_exact(c, jnp.sum(c, axis=-2, keepdims=True) + eps)
         return c, None
 
-    c, _ = jax.lax.scan(step, c, None, length=cfg.hc_sinkhorn_iters - 1)
+    if unroll:
+        for _ in range(cfg.hc_sinkhorn_iters - 1):
+            c, _ = step(c, None)
+    else:
+        c, _ = jax.lax.scan(step, c, None, length=cfg.hc_sinkhorn_iters - 1)
     return pre, post, c
+
+
+def mixes_split(m, mix: HyperMix, cfg: ModelConfig, dtype):
+    """`sinkhorn_split` through the op `dsjax.kernels.mhc_sinkhorn` (its XLA path, or the fused kernel where
+    `dsjax.kernel_choice` picks it for streams of `dtype`)."""
+    from dsjax.kernels.mhc_sinkhorn import mhc_sinkhorn
+    impl = choose(cfg, "mhc_sinkhorn", rows=int(m.size // m.shape[-1]), dtype=dtype)
+    if impl == "xla" and (cfg.kernels == "reference" or jax.default_backend() != "gpu"):
+        impl = "reference"   # the scan: unrolling pays on a GPU (kernel launches), not on a CPU (86 vs 13 µs)
+    return mhc_sinkhorn(m, mix.scale, mix.base, n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                        implementation=impl)
 
 
 def hc_pre(h, mix: HyperMix, cfg: ModelConfig):
     """Collapse the n streams into one sub-layer input. Returns (x [b,s,D], post, comb)."""
     x, m = _mixes(h, mix.fn, cfg.norm_eps)
-    pre, post, comb = sinkhorn_split(m, mix, cfg)
+    pre, post, comb = mixes_split(m, mix, cfg, h.dtype)
     y = sum_in_order(materialize(pre[..., None] * x.reshape(h.shape)), axis=-2)
     return round_to(y, h.dtype), post, comb
 

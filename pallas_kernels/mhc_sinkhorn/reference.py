@@ -1,0 +1,11 @@
+"""The definition: the model's own `sinkhorn_split` (a scan over the iterations), not a copy."""
+
+import types
+
+from dsjax.layers.hyper_connections import sinkhorn_split
+
+
+def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float):
+    mix = types.SimpleNamespace(scale=scale, base=base)
+    cfg = types.SimpleNamespace(hc_mult=n, hc_eps=eps, hc_sinkhorn_iters=iters)
+    return sinkhorn_split(m, mix, cfg, unroll=False)

@@ -1,0 +1,12 @@
+"""The XLA path: `sinkhorn_split` with its iterations unrolled, so XLA fuses the whole split into one or two
+kernels instead of a loop of tiny ones. Same operations in the same order as the scan."""
+
+import types
+
+from dsjax.layers.hyper_connections import sinkhorn_split
+
+
+def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float):
+    mix = types.SimpleNamespace(scale=scale, base=base)
+    cfg = types.SimpleNamespace(hc_mult=n, hc_eps=eps, hc_sinkhorn_iters=iters)
+    return sinkhorn_split(m, mix, cfg, unroll=True)
