@@ -1,6 +1,6 @@
-"""dsjax.kernels.mhc_sinkhorn: the unrolled XLA path and the Triton-lowered kernel (the HLO interpreter on CPU:
-outputs start as NaN, so anything unwritten shows) equal the model's scan on fresh random mixes (V4's n = 4,
-20 iterations); the kernel lowers for CUDA."""
+"""dsjax.kernels.mhc_sinkhorn: the XLA path (the model's scan) and the Triton-lowered kernel (the HLO interpreter on
+CPU: outputs start as NaN, so anything unwritten shows) equal the written-out iterations on fresh random mixes
+(V4's n = 4, 20 iterations); the kernel lowers for CUDA."""
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ def _case(seed, rows=300):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_matches_the_models_scan(test_seed, implementation):
+def test_matches_the_reference(test_seed, implementation):
     m, scale, base = _case(test_seed)
     kw = dict(n=N, iters=ITERS, eps=EPS)
     opts = dict(block_rows=64, interpret=True) if implementation == "pallas" else {}

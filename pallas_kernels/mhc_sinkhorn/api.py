@@ -15,7 +15,7 @@ def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float, implementati
     """m [..., (2+n)·n] fp32 mixes; scale [3], base [(2+n)·n] fp32 -> (pre [..., n], post [..., n],
     comb [..., n, n]) exactly as `dsjax.layers.hyper_connections.sinkhorn_split` defines them.
 
-    implementation: "reference" (the model's scan), "xla" (the iterations unrolled: one XLA fusion),
+    implementation: "reference" (the iterations written out), "xla" (the model's scan),
     "pallas" (Triton-lowered: each of the n² comb entries a [rows] vector in registers; the HLO interpreter
     off-GPU). kernel_options (block_rows, num_warps, interpret) go to the kernel only.
     """

@@ -1,5 +1,6 @@
-"""The XLA path: `sinkhorn_split` with its iterations unrolled, so XLA fuses the whole split into one or two
-kernels instead of a loop of tiny ones. Same operations in the same order as the scan."""
+"""The XLA path (baseline and fallback): the model's `sinkhorn_split` as a scan over the iterations. Unrolling
+them was measured slower on both backends (H200: 302 vs 150 µs at 2,048 rows, 246 vs 166 µs at 1 row; CPU: 86 vs
+13 µs): XLA does not fuse the straight-line chain into one kernel."""
 
 import types
 
@@ -9,4 +10,4 @@ from dsjax.layers.hyper_connections import sinkhorn_split
 def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float):
     mix = types.SimpleNamespace(scale=scale, base=base)
     cfg = types.SimpleNamespace(hc_mult=n, hc_eps=eps, hc_sinkhorn_iters=iters)
-    return sinkhorn_split(m, mix, cfg, unroll=True)
+    return sinkhorn_split(m, mix, cfg, unroll=False)
