@@ -288,7 +288,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
     for fmt in fmts:
         ks = jax.random.split(jax.random.key(2), 3)
         lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
-        sizes = (1, 2, 4, 8, 256, 1024) if fmt == "fp4" else (1, 8)
+        sizes = (1, 2, 4, 8, 256, 1024, 2048) if fmt == "fp4" else (1, 8)
         sizes = (1, 8) if smoke else sizes
         for n in sizes:
             rng = np.random.default_rng(n)
@@ -299,8 +299,14 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             nbytes = moe_bytes(lins, len(np.unique(np.asarray(ids)))) + x.nbytes * 3
             run = lambda impl, **o: jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=True,
                                                               act_quant_block=128, implementation=impl, **o))
-            side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n), nbytes,
-                         configs if n <= 8 and fmt == "fp4" else [{}])
+            flops = 2 * n * k * 3 * D * I
+            prefill_configs = [{}] + [dict(block_m=bm, block_i=bo, block_d=bo, num_warps=w, num_stages=st)
+                                      for bm, bo, w, st in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
+                                                            (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+                                                            (64, 32, 4, 3), (32, 32, 4, 3))]
+            side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops), nbytes,
+                         configs if n <= 8 and fmt == "fp4" else
+                         prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
         del lins
 
 
@@ -318,6 +324,8 @@ def main(argv=None) -> int:
     out = open(args.out, "a") if args.out else None
 
     def emit(rec):
+        if rec.get("flops") and rec.get("us") and not rec.get("TFLOPs"):
+            rec["TFLOPs"] = rec["flops"] / rec["us"] / 1e6
         if roof.get("matmul_TFLOPs") and rec.get("TFLOPs"):
             rec["of_matmul_torch"] = rec["TFLOPs"] / roof["matmul_TFLOPs"]
         if roof.get("copy_GBps") and "bytes" in rec and "us" in rec:
