@@ -279,7 +279,7 @@ def moe_bytes(lins, n_distinct: int) -> int:
     return per * n_distinct
 
 
-def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16")):
+def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"), only_tokens=None):
     E, D, I, k = (16, 256, 256, 6) if smoke else (256, 4096, 2048, 6)
     configs = [{}]
     if sweep:
@@ -290,6 +290,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
         lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
         sizes = (1, 2, 4, 8, 256, 1024, 2048) if fmt == "fp4" else (1, 8)
         sizes = (1, 8) if smoke else sizes
+        sizes = [t for t in sizes if not only_tokens or t in only_tokens]
         for n in sizes:
             rng = np.random.default_rng(n)
             ids = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(n)]), jnp.int32)
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time a grid of kernel block sizes")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
+    p.add_argument("--moe-formats", default="fp4,fp8,bf16", help="MoE expert formats to time")
+    p.add_argument("--moe-tokens", default="", help="only these MoE token counts (comma-separated; default all)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     head = run_info("kernels", argv)
@@ -340,7 +343,9 @@ def main(argv=None) -> int:
             out.flush()
 
     emit(head)
-    bench = {"moe": bench_moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc}
+    moe = functools.partial(bench_moe, fmts=tuple(args.moe_formats.split(",")),
+                            only_tokens={int(t) for t in args.moe_tokens.split(",") if t})
+    bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc}
     for op in args.ops.split(","):
         bench[op](emit, args.sweep, args.smoke)
     return 0
