@@ -107,8 +107,9 @@ def test_xla_both_paths_agree(test_seed):
 
 
 def test_prefill_sized_batch(test_seed):
-    """Many tokens (n·k >> E): the kernels run as a grouped GEMM over the sorted pairs, several tiles per expert."""
-    case = _case(test_seed, "fp4", 40)
+    """Many tokens (n·k >> E): the kernels run as a grouped GEMM over the sorted pairs, several tiles per expert
+    (72 tokens: the prefill tiles of 32 pairs)."""
+    case = _case(test_seed, "fp4", 72)
     _check(_run(case, "pallas", True), _run(case, "xla", True))
 
 

@@ -130,12 +130,14 @@ def _grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: 
     )(tiles, *index, inp, *[a for l in lin_list for a in _stored(l)])
 
 
-def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int = 16,
+def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
              block_i: int | None = None, block_d: int | None = None, block_k: int = 128, num_warps: int = 4,
              num_stages: int = 3, target_programs: int = 8 * 132, interpret=None):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
-    tokens: more programs in flight), 64 otherwise (docs/benchmarks.md)."""
+    tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
+    sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md)."""
     n, k = ids.shape
+    block_m = block_m or (16 if n <= 64 else 32)
     small = 32 if w1.fmt == "fp4" and n <= 64 else 64
     block_i, block_d = block_i or small, block_d or small
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
