@@ -199,8 +199,6 @@ def test_engram_dead_image_tokens(model, test_seed):
 
 
 # ---------------------------------------------------------------- end to end
-@pytest.mark.skip(reason="segfaults inside XLA's CPU compiler (backend_compile_and_load) late in the full suite: 2 of 4 "
-                         "clean-clone runs on 2026-12-01, passes alone; see the stop note")
 def test_generate_with_an_image(model, test_seed):
     """Greedy generation with an image, and the serving engine with the same image prefilled in chunks of 8 (the
     span crosses chunk boundaries): the same first token. The rows at the span are image_start / aligner rows /
