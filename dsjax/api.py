@@ -68,7 +68,8 @@ class Model:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, images=None, **kw) -> list[Generation]:
         """Generate for a batch of token-id prompts. Keywords: temperature, top_p, top_k, min_p,
         seed (int or one per prompt), stop_token_ids (default: EOS), logprobs (top-k count), speculative,
-        num_draft_tokens, steps_per_dispatch, prefill_chunk.
+        num_draft_tokens, steps_per_dispatch, prefill_chunk, prefill_schedule ("exact", or V4.1's production
+        "replay": CED prefill with SWA bounded replay, decoder layers only for the last window of the prompt).
 
         `images` (V4.1 with a vision tower): one list per prompt of images — encoded bytes, a file path, a
         `data:image/...;base64,` URL or a uint8 [H, W, 3] array — each placing itself where the prompt holds the

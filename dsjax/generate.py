@@ -51,6 +51,7 @@ class GenerateOptions:
     speculative: str | None = None      # None | "mtp" | "dspark"
     num_draft_tokens: int | None = None  # default: 2 (mtp), the DSpark block size (dspark)
     adaptive_verification: float | None = None  # dspark: verify drafts while sigmoid(confidence) >= this
+    prefill_schedule: str = "exact"     # V4.1: "replay" = CED prefill with SWA bounded replay (dsjax.v41_replay)
     forced_acceptance: tuple[int, ...] | None = None  # benchmarks only: accepted drafts per step, "simulated"
     oracle_drafts: object = None        # tests only: speculative.OracleDrafts replacing the model's drafts
 
@@ -86,6 +87,29 @@ def _first_token(carry: LoopCarry, logits, sp: SamplingParams, stop_ids, max_new
     tok = sample(logits, sp, carry.state.lengths)
     carry = record(carry, tok, logits, K, active)
     return dataclasses.replace(carry, done=finish_flags(carry, tok, active, stop_ids, max_new, max_seq))
+
+
+def _replay_prefill(params, cfg: ModelConfig, rows, slots: int, C: int, state, rings):
+    """V4.1's CED prefill with SWA bounded replay (dsjax.v41_replay): (logits and DSpark main_x at each row's
+    last prompt position, state, rings)."""
+    from dsjax import dspark
+    from dsjax.v41_replay import last_logits, prefill_replay
+
+    lengths = np.array([len(r) for r in rows] + [1] * (slots - len(rows)))
+    chunks = []
+    for start in range(0, int(lengths.max()), C):
+        chunk = np.zeros((slots, C), np.int32)
+        for b, r in enumerate(rows):
+            part = r[start:start + C]
+            chunk[b, :len(part)] = part
+        chunks.append((jnp.asarray(chunk), jnp.asarray(np.clip(lengths - start, 0, C).astype(np.int32))))
+    y, taps, first, state = prefill_replay(params, cfg, chunks, state, lengths, C)
+    logits = last_logits(params, cfg, y, lengths, first)
+    last_h = None
+    if rings is not None:
+        rings, main_x = dspark.seed_from_chunk(params, cfg, rings, taps, first, state.lengths - first)
+        last_h = main_x[jnp.arange(slots), jnp.asarray(lengths) - 1 - first]
+    return logits, last_h, state, rings
 
 
 def validate(cfg: ModelConfig, prompts, opts: GenerateOptions, max_seq: int, max_batch: int):
@@ -132,6 +156,15 @@ def validate(cfg: ModelConfig, prompts, opts: GenerateOptions, max_seq: int, max
     for t in opts.stop_token_ids:
         if not 0 <= int(t) < cfg.vocab_size:
             raise InputError(f"stop token id {t} is out of range [0, {cfg.vocab_size})")
+    if opts.prefill_schedule not in ("exact", "replay"):
+        raise InputError(f"prefill_schedule={opts.prefill_schedule!r}: choose 'exact' or 'replay'")
+    if opts.prefill_schedule == "replay":
+        from dsjax.config import ConfigError
+        from dsjax.v41_replay import decoder_start
+        try:
+            decoder_start(cfg)
+        except ConfigError as e:
+            raise InputError(f"prefill_schedule='replay': {e}") from None
     return out
 
 
@@ -171,7 +204,10 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     rings = init_rings(cfg, slots) if dspark else None
     last_logits = jnp.zeros((slots, cfg.vocab_size), jnp.float32)
     last_h = None
-    for start in range(0, int(lengths.max()), C):
+    replay = opts.prefill_schedule == "replay"
+    if replay and vision is not None:
+        raise InputError("prefill_schedule='replay' with images is not supported yet: use the exact schedule")
+    for start in range(0, int(lengths.max()) if not replay else 0, C):
         chunk = np.zeros((slots, C), np.int32)
         nxt = np.zeros((slots, C), np.int32)
         for b, r in enumerate(rows):
@@ -196,6 +232,8 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
         if spec or dspark:  # the MTP's streams / DSpark's main_x at the last prompt position
             hl = h[jnp.arange(slots), last]
             last_h = hl if last_h is None else jnp.where(here.reshape((-1,) + (1,) * (hl.ndim - 1)), hl, last_h)
+    if replay:
+        last_logits, last_h, state, rings = _replay_prefill(params, cfg, rows, slots, C, state, rings)
     carry = LoopCarry(
         state=state, last=jnp.zeros((slots,), jnp.int32), tokens=jnp.zeros((slots, N), jnp.int32),
         logprob=jnp.zeros((slots, N), jnp.float32), top_ids=jnp.zeros((slots, N, K), jnp.int32),

@@ -78,6 +78,44 @@ def stream_mean(h):
     return round_to(sum_in_order(h.astype(jnp.float32), axis=-2) / h.shape[-2], h.dtype)
 
 
+def new_shared(state: State41) -> dict:
+    """What a forward's layers publish to later layers: the KV sources' states, the last top-k, the candidates,
+    the reference's index-key pointer (csa2.attention41)."""
+    sources = {layer: st.source for layer, st in enumerate(state.layers) if st.source is not None}
+    last_source = max(sources) if sources else None
+    return {"sources": sources, "topk": None, "candidates": None,
+            "index_keys": sources[last_source].index_keys if sources else None}
+
+
+def run_layers41(params: Model41, cfg: ModelConfig, h, pre_mix, token_ids, state: State41, start, n_valid, layers,
+                 shared: dict, *, image_mask=None, row_ids=None, teacher=None):
+    """Blocks `layers` (ascending) on the stream (h, pre_mix) at positions start[b]+t. Returns (h, pre_mix, the
+    state of every layer — the others unchanged —, each run block's output, the DSpark taps met)."""
+    live = None if image_mask is None else ~image_mask
+    new_layers, outputs, taps = list(state.layers), [], []
+    for layer in layers:
+        w, st = params.layers[layer], state.layers[layer]
+        with jax.named_scope(f"layer{layer}"):
+            if teacher is not None:
+                h_in, pre_in, use = teacher
+                h = jnp.where(use[layer], h_in[layer].astype(h.dtype), h)
+                pre_mix = jnp.where(use[layer], pre_in[layer].astype(jnp.float32), pre_mix)
+            if w.engram is not None:
+                k = cfg.engram_layer_ids.index(layer)
+                rows = engram_rows(w.engram.embed, row_ids[:, :, k], cfg)   # a lookup, exact: outside per_token
+                if live is None:
+                    h = per_token(cfg, lambda h, r: engram(h, r, w.engram, cfg), h, rows)
+                else:
+                    h = per_token(cfg, lambda h, r, lv: engram(h, r, w.engram, cfg, lv), h, rows, live)
+            if layer in cfg.dspark_target_layer_ids:
+                taps.append(per_token(cfg, stream_mean, h))
+            h, pre_mix, st = block41(h, pre_mix, token_ids, w, cfg, layer, st, shared, start, n_valid,
+                                     image_mask=image_mask)
+        new_layers[layer] = st
+        outputs.append((h, pre_mix))
+    return h, pre_mix, new_layers, outputs, taps
+
+
 def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State41, n_valid=None, *,
                      teacher=None, collect=False, record: dict | None = None, image=None):
     """token_ids [B,T] at positions state.lengths[b]+t -> (final collapsed stream y [B,T,D], new state).
@@ -95,33 +133,12 @@ def forward_hidden41(params: Model41, cfg: ModelConfig, token_ids, state: State4
     n_valid = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
     start = state.lengths
     image_mask = None if image is None else image[1] >= 0
-    live = None if image_mask is None else ~image_mask
     row_ids = hash_ids(cfg, state.engram_history, token_ids, image_mask) if cfg.engram_layer_ids else None
     h, pre_mix = embed41(params, cfg, token_ids, image)
-    sources = {layer: st.source for layer, st in enumerate(state.layers) if st.source is not None}
-    last_source = max(sources) if sources else None
-    shared = {"sources": sources, "topk": None, "candidates": None,
-              "index_keys": sources[last_source].index_keys if sources else None}
-    layers, outputs, taps = [], [], []
-    for layer, (w, st) in enumerate(zip(params.layers, state.layers)):
-        with jax.named_scope(f"layer{layer}"):
-            if teacher is not None:
-                h_in, pre_in, use = teacher
-                h = jnp.where(use[layer], h_in[layer].astype(h.dtype), h)
-                pre_mix = jnp.where(use[layer], pre_in[layer].astype(jnp.float32), pre_mix)
-            if w.engram is not None:
-                k = cfg.engram_layer_ids.index(layer)
-                rows = engram_rows(w.engram.embed, row_ids[:, :, k], cfg)   # a lookup, exact: outside per_token
-                if live is None:
-                    h = per_token(cfg, lambda h, r: engram(h, r, w.engram, cfg), h, rows)
-                else:
-                    h = per_token(cfg, lambda h, r, lv: engram(h, r, w.engram, cfg, lv), h, rows, live)
-            if layer in cfg.dspark_target_layer_ids:
-                taps.append(per_token(cfg, stream_mean, h))
-            h, pre_mix, st = block41(h, pre_mix, token_ids, w, cfg, layer, st, shared, start, n_valid,
-                                     image_mask=image_mask)
-        layers.append(st)
-        outputs.append((h, pre_mix))
+    shared = new_shared(state)
+    h, pre_mix, layers, outputs, taps = run_layers41(
+        params, cfg, h, pre_mix, token_ids, state, start, n_valid, range(cfg.n_layers), shared,
+        image_mask=image_mask, row_ids=row_ids, teacher=teacher)
     history = next_history(state.engram_history, token_ids, n_valid, image_mask)
     new = State41(lengths=start + n_valid, layers=tuple(layers), engram_history=history)
     y = per_token(cfg, collapse, h, pre_mix)

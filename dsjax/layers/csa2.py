@@ -153,7 +153,9 @@ def select_topk(scores, visible, k: int):
 def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState41, shared: dict, start, n_valid):
     """One V4.1 attention sub-layer over a chunk. x [B,T,D] (normed) at positions start[b]+t, the first n_valid[b]
     real. `shared` carries what earlier layers of this forward published ("sources": new SourceState41 by layer;
-    "topk": the last index source's picks; "candidates"; "index_keys": the reference's index-key pointer) and collects "pending": each layer's (x, stored window KV).
+    "topk": the last index source's picks; "candidates"; "index_keys": the reference's index-key pointer;
+    optionally "window_from" [B]: window keys before it are not there — the CED replay) and collects "pending": each
+    layer's (x, stored window KV).
     Returns (out [B,T,D], new layer state)."""
     B, T, _ = x.shape
     q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -168,6 +170,9 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
     kv = v41_rows.store_window(kv, cfg)
     shared.setdefault("pending", []).append((x, kv))  # what `commit_layer41` needs to commit a shorter prefix
     keys, valid = window_keys(st.window, kv, start, cfg.window_size)
+    if shared.get("window_from") is not None:   # CED replay: the ring holds nothing before the replayed tokens
+        k_pos = q_pos[..., None] - (cfg.window_size - 1) + jnp.arange(cfg.window_size)
+        valid = valid & (k_pos >= shared["window_from"][:, None, None])
     keys = v41_rows.load_window(keys, cfg)
     new = LayerState41(window=update_ring(st.window, kv, start, n_valid), source=st.source)
     ratio = cfg.layer_ratio(layer)
