@@ -11,7 +11,7 @@ source's compressed cache, which the source computes from its attention input al
    window ring — and the first logits.
 
 Decoder work per prompt drops from S tokens to `window` (128). The replayed tokens see a truncated window (no
-decoder keys before the replay start), so the logits differ from the exact schedule's (docs/v41.md measures by
+decoder keys before the replay start), so the logits differ from the exact schedule's (docs/numerics.md measures by
 how much); a prompt no longer than the window is replayed whole and matches it. After the replay every state
 the decode loop reads is complete: encoder rings and caches exact, decoder rings full (W replayed positions).
 """

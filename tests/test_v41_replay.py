@@ -1,7 +1,7 @@
 """V4.1's CED prefill with SWA bounded replay (dsjax.v41_replay), on the official golden case's weights.
 
-- A prompt no longer than the window is replayed whole: logits, every layer's state and the generated tokens
-  equal the exact schedule's bit for bit.
+- A prompt no longer than the window is replayed whole: in batch-invariant fp32, logits, every layer's state
+  and the generated tokens equal the exact schedule's bit for bit.
 - A long prompt (window 16): in batch-invariant fp32 the encoder layers' states and the ratio-1 source's caches
   equal the exact schedule's bit for bit (in bf16 they are the same computation in a different compiled
   program, and XLA:CPU's fp32 sums follow the program: a few FP4 codes flip at layer 2 and this tiny model
@@ -10,6 +10,7 @@
   bf16). Measured (2026-12-01, 300 tokens): replay vs exact max|Δ| 0.73 (bf16) / 0.84 (fp8), argmax equal;
   replay vs the official logits 0.72 / 1.27, where our exact schedule is 0.68 / 1.51 — inside this tiny model's
   one-ulp sensitivity (0.3-1.3, test_golden_v41); fp32, 120 tokens: 0.22 of a logit scale of 7.8.
+
 """
 
 import functools
@@ -51,12 +52,14 @@ def _chunks(ids, lengths):
     return out
 
 
-def _both(ids, lengths, numerics="reference-bf16"):
+def _both(ids, lengths, numerics="reference-bf16", exact=True):
     """(replay's last logits, its state, exact's last logits, its state) on the golden weights."""
     _, cfg, params = golden_model(numerics)
     chunks = _chunks(ids, lengths)
     y, _, first, st_r = prefill_replay(params, cfg, chunks, init_state41(cfg, ids.shape[0], MAX_SEQ), lengths, C)
     replay = np.asarray(last_logits(params, cfg, y, lengths, first))
+    if not exact:
+        return replay, st_r, None, None
     st_e, outs = init_state41(cfg, ids.shape[0], MAX_SEQ), []
     for c, nv in chunks:
         logits, st_e = forward_chunk41(params, cfg, c, st_e, nv)
@@ -70,12 +73,14 @@ def _same(a, b) -> bool:
 
 
 def test_short_prompts_replay_whole_and_equal_exact(test_seed):
-    _, cfg, _ = golden_model()
+    """Batch-invariant fp32 (in bf16 the two schedules are different compiled programs, whose XLA:CPU sums may
+    differ in the last bit)."""
+    _, cfg, _ = golden_model("transformers")
     rng = np.random.default_rng(test_seed)
     W = cfg.window_size
     lengths = np.array([W, W - 5])
     ids = rng.integers(3, cfg.vocab_size, (2, W)).astype(np.int32)
-    replay, st_r, exact, st_e = _both(ids, lengths)
+    replay, st_r, exact, st_e = _both(ids, lengths, "transformers")
     np.testing.assert_array_equal(replay, exact)
     assert _same(st_r, st_e), "every layer's ring and cache must equal the exact schedule's"
 
@@ -83,7 +88,7 @@ def test_short_prompts_replay_whole_and_equal_exact(test_seed):
 def test_generate_with_the_replay_schedule(test_seed):
     """Through `Model.generate`: a short prompt (replayed whole) gives the exact schedule's tokens; a long one
     runs and fills the decoder rings (the decode steps after it read them)."""
-    case, cfg, params = golden_model()
+    case, cfg, params = golden_model("transformers")
     rng = np.random.default_rng(test_seed)
     model = Model(cfg, params, source=case.name, max_seq_len=96, max_batch=2)
     prompts = [rng.integers(3, cfg.vocab_size, cfg.window_size - 3).tolist(),
@@ -99,8 +104,8 @@ def test_long_prompt_encoder_exact_decoder_replayed():
     source's caches equal the exact schedule's bit for bit, whatever the compiled program; the last logits
     differ (the decoder saw a truncated window)."""
     case, cfg, _ = golden_model("transformers")
-    ids = case.inputs()["long_tokens"].astype(np.int32)[:, :120]
-    lengths = np.array([120, 97])
+    ids = case.inputs()["long_tokens"].astype(np.int32)[:, :80]
+    lengths = np.array([80, 61])
     replay, st_r, exact, st_e = _both(ids, lengths, "transformers")
     E = decoder_start(cfg)
     assert _same(st_r.layers[:E], st_e.layers[:E]) and _same(st_r.engram_history, st_e.engram_history)
@@ -117,13 +122,12 @@ def test_long_prompt_against_the_official_logits():
     case, cfg, _ = golden_model()
     ids = case.inputs()["long_tokens"].astype(np.int32)
     lengths = np.array([ids.shape[1]] * ids.shape[0])
-    replay, _, exact, _ = _both(ids, lengths)
+    replay, _, _, _ = _both(ids, lengths, exact=False)
     gold = case.golden("bf16")
     official = gold["long/prefill_logits"][:, list(gold["long/prefill_positions"]).index(ids.shape[1] - 1)]
     d_official = np.abs(replay - official).max()
     agree = float(np.mean(replay.argmax(-1) == official.argmax(-1)))
-    print(f"bf16: replay vs exact max|Δ| {np.abs(replay - exact).max():.3f}; vs the official logits "
-          f"{d_official:.3f} (exact: {np.abs(exact - official).max():.3f}); argmax agreement {agree:.0%}")
+    print(f"bf16: replay vs the official logits max|Δ| {d_official:.3f}; argmax agreement {agree:.0%}")
     assert d_official <= 2.0 and agree >= 0.5
 
 
