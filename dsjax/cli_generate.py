@@ -50,6 +50,8 @@ def _sampling_kwargs(args) -> dict:
     kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed)
     if args.speculative:
         kw.update(speculative=args.speculative, num_draft_tokens=args.draft_tokens)
+    if getattr(args, "prefill_schedule", "exact") != "exact":
+        kw.update(prefill_schedule=args.prefill_schedule)
     return kw
 
 
@@ -171,6 +173,9 @@ def add_generation_args(p) -> None:
                         "per step (greedy output unchanged)")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="drafts per step with --speculative (default 2 for mtp, the DSpark block size for dspark)")
+    p.add_argument("--prefill-schedule", choices=["exact", "replay"], default="exact",
+                   help="V4.1: 'replay' runs the decoder layers only for the prompt's last window (CED prefill with "
+                        "SWA bounded replay, the production schedule: faster on long prompts, logits approximate)")
     p.add_argument("--system", default=None, help="system prompt for --chat / chat")
     p.add_argument("--max-seq-len", type=int, default=None, help="cache length per sequence (default min(4096, model))")
     p.add_argument("--show-special", action="store_true", help="print special tokens such as </think> in the text")
