@@ -11,16 +11,8 @@ from dsjax.kernels.sparse_mqa import xla as sparse_xla
 
 def segment_partials(q, q_pos, seg, fmt, scale: float):
     """(max [B,T,H], sum [B,T,H], acc [B,T,H,d]) fp32 of q over one segment's visible rows."""
-    dt = q.dtype
-    keys = load_rows(seg.kv, fmt).astype(dt)                                     # [B, N, d]
-    ok = visible(seg, q_pos)[:, :, None, :]                                      # [B, T, 1, N]
-    logits = jnp.einsum("bthd,bnd->bthn", q, keys, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(ok, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(ok, jnp.exp(logits - m_safe[..., None]), 0.0)
-    acc = jnp.einsum("bthn,bnd->bthd", p.astype(dt), keys, preferred_element_type=jnp.float32)
-    return m, jnp.sum(p, axis=-1), acc
+    keys = load_rows(seg.kv, fmt).astype(q.dtype)                                # [B, N, d], shared
+    return sparse_xla.masked_partials(q, keys, visible(seg, q_pos), scale)
 
 
 def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format):

@@ -8,21 +8,25 @@ from dsjax.kernels.common import load_rows, round_bf
 
 
 def partials(q, kv, idx, fmt, scale: float):
-    """Softmax partials of q [B,Q,H,d] over one key source: (max [B,Q,H], sum [B,Q,H], acc [B,Q,H,d]) in fp32.
+    """Softmax partials of q [B,Q,H,d] over one key source: (max [B,Q,H], sum [B,Q,H], acc [B,Q,H,d]) in fp32."""
+    rows = jax.vmap(lambda kb, ib: kb[jnp.maximum(ib, 0)])(kv, idx)
+    return masked_partials(q, load_rows(rows, fmt).astype(q.dtype), idx >= 0, scale)
+
+
+def masked_partials(q, keys, valid, scale: float):
+    """Partials of q [B,Q,H,d] over keys [B,Q,K,d] per query, or [B,K,d] shared by all, valid [B,Q,K].
 
     p is taken relative to this source's max and rounded to the compute dtype before P·V (the reference's
     rounding, up to the shift of the max); -inf max and zero sum/acc when the source holds no valid key.
     """
-    dt = q.dtype
-    rows = jax.vmap(lambda kb, ib: kb[jnp.maximum(ib, 0)])(kv, idx)
-    keys = load_rows(rows, fmt).astype(dt)
-    valid = (idx >= 0)[:, :, None, :]
-    logits = jnp.einsum("bqhd,bqkd->bqhk", q, keys, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(valid, logits, -jnp.inf)
+    kspec = "bqkd" if keys.ndim == 4 else "bkd"
+    ok = valid[:, :, None, :]
+    logits = jnp.einsum(f"bqhd,{kspec}->bqhk", q, keys, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(ok, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(valid, jnp.exp(logits - m_safe[..., None]), 0.0)
-    acc = jnp.einsum("bqhk,bqkd->bqhd", p.astype(dt), keys, preferred_element_type=jnp.float32)
+    p = jnp.where(ok, jnp.exp(logits - m_safe[..., None]), 0.0)
+    acc = jnp.einsum(f"bqhk,{kspec}->bqhd", p.astype(q.dtype), keys, preferred_element_type=jnp.float32)
     return m, jnp.sum(p, axis=-1), acc
 
 
