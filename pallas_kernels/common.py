@@ -41,6 +41,22 @@ class MainRowFormat:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp4RowFormat:
+    """Layout of a V4.1 compressed main-KV row (288 bytes for 512 dims, spec §4.1): e2m1 codes two per byte (low
+    nibble first) | one e4m3 scale byte per `block` values (`dsjax.v41_rows.quantize_main`)."""
+    dim: int = 512
+    block: int = 16
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim // 2 + self.dim // self.block
+
+    @classmethod
+    def from_config(cls, cfg) -> "Fp4RowFormat":
+        return cls(dim=cfg.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
 class IndexRowFormat:
     """Layout of a compact index-key row (68 bytes for 128 dims: 64 packed bytes + 4 scales)."""
     dim: int = 128
@@ -100,10 +116,23 @@ def dequant_index_rows(rows, fmt: IndexRowFormat):
     return vals.reshape(lead + (fmt.dim,))
 
 
+def dequant_fp4_main_rows(rows, fmt: Fp4RowFormat):
+    """uint8 [..., dim/2 + dim/block] -> fp32 [..., dim]; exact (e2m1 codes x e4m3 block scales)."""
+    lead = rows.shape[:-1]
+    half, nb = fmt.dim // 2, fmt.dim // fmt.block
+    packed = rows[..., :half]
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(lead + (fmt.dim,))
+    scales = jax.lax.bitcast_convert_type(rows[..., half:half + nb], jnp.float8_e4m3fn).astype(jnp.float32)
+    vals = fp4_code_to_f32(codes).reshape(lead + (nb, fmt.block)) * scales[..., None]
+    return vals.reshape(lead + (fmt.dim,))
+
+
 def load_rows(stored, fmt):
     """Stored rows -> fp32 values: uint8 rows are dequantised with `fmt`, anything else is already values."""
     if stored.dtype == jnp.uint8:
-        return (dequant_main_rows if isinstance(fmt, MainRowFormat) else dequant_index_rows)(stored, fmt)
+        decode = {MainRowFormat: dequant_main_rows, Fp4RowFormat: dequant_fp4_main_rows}.get(type(fmt),
+                                                                                              dequant_index_rows)
+        return decode(stored, fmt)
     return stored.astype(jnp.float32)
 
 
@@ -239,12 +268,23 @@ def gather(ref, *index, mask=None):
 def main_row_pieces(kv_ref, b, rows, ok, fmt: MainRowFormat, width: int, dtype):
     """Gathered main-KV rows as value pieces [(column, [bk, width] dtype)], straight from the stored layout.
 
-    kv_ref [B, N, R]: uint8 compact rows (e4m3 codes x ue8m0 block scale, rope dims as little-endian bf16 byte
-    pairs) or values (R = d). rows int32 [bk], ok bool [bk] (False: nothing read, zeros). Pieces are `width`
+    kv_ref [B, N, R]: uint8 compact rows — V4's `MainRowFormat` (e4m3 codes x ue8m0 block scale, rope dims as
+    little-endian bf16 byte pairs; V4.1's window rows are the same with no rope dims) or V4.1's `Fp4RowFormat`
+    (packed e2m1 x e4m3 block scale) — or values (R = d). rows int32 [bk], ok bool [bk] (False: nothing read, zeros). Pieces are `width`
     columns wide (the FP8 block for compact rows), so no concatenation is needed in the kernel."""
     r2, m2, cols = rows[:, None], ok[:, None], iota(width)[None, :]
     if kv_ref.dtype != jnp.uint8:
         return [(c, gather(kv_ref, b, r2, cols + c, mask=m2).astype(dtype)) for c in range(0, kv_ref.shape[-1], width)]
+    if isinstance(fmt, Fp4RowFormat):   # each logical column reads its byte, its nibble and its block's scale
+        pieces = []
+        for c in range(0, fmt.dim, width):
+            col = cols + c
+            packed = gather(kv_ref, b, r2, col // 2, mask=m2).astype(jnp.int32)
+            code = (packed >> ((col & 1) * 4)) & 0xF
+            scale = gather(kv_ref, b, r2, fmt.dim // 2 + col // fmt.block, mask=m2)
+            scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn).astype(jnp.float32)
+            pieces.append((c, (fp4_code_to_f32(code) * scale).astype(dtype)))
+        return pieces
     assert width == fmt.block and fmt.nope % width == 0 and fmt.rope % width == 0, (fmt, width)
     nb = fmt.nope // fmt.block
     pieces = []
@@ -305,7 +345,7 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
 
 def piece_width(kv, fmt, d: int) -> int:
     """Columns per value piece of a key tile: the FP8 block for compact rows, else 64 (or d when smaller)."""
-    width = fmt.block if kv.dtype == jnp.uint8 else min(64, d)
+    width = fmt.block if kv.dtype == jnp.uint8 and isinstance(fmt, MainRowFormat) else min(64, d)
     if d % width or width & (width - 1) or width < 16:
         raise ValueError(f"attention kernel: value dim {d} must split into power-of-two pieces >= 16 (got {width})")
     return width

@@ -11,7 +11,7 @@ import pytest
 from lower_h200 import lower_for_h200
 
 from dsjax import kv_rows, quant
-from dsjax.kernels.common import MainRowFormat, dequant_main_rows
+from dsjax.kernels.common import Fp4RowFormat, MainRowFormat, dequant_main_rows, load_rows
 from dsjax.kernels.sparse_mqa import hca_indices, sparse_mqa_decode, window_indices, window_rows
 from dsjax.kernels.sparse_mqa.reference import gather_keys  # noqa: E402
 from dsjax.layers.attention import sink_attention, window_keys  # noqa: E402
@@ -107,3 +107,50 @@ def test_pallas_lowers_for_h200(compact):
     text = lower_for_h200(lambda q, kv, idx: pallas_triton.partials(q, kv, idx, fmt, 0.04, interpret=False),
                           S((B, Q, H, fmt.dim), jnp.bfloat16), kv, S((B, Q, K), jnp.int32))
     assert "xla.gpu.triton" in text
+
+
+# V4.1's rows (spec §4.1): window KV as 528-byte FP8 rows (e4m3 over all d dims, ue8m0 per 32 — V4's layout with
+# no rope dims), compressed main KV as 288-byte FP4 rows (e2m1 pairs, e4m3 scale per 16); scaled to d = 64.
+V41 = types.SimpleNamespace(head_dim=64, family="v4.1")
+V41_FORMATS = (MainRowFormat(nope=64, rope=0, block=32), Fp4RowFormat(dim=64))
+
+
+def _case41(seed, H=8, B=2, Q=3, W=8, Nc=40, Kc=37):
+    from dsjax import v41_rows
+    ks = jax.random.split(jax.random.key(seed), 8)
+    q = jax.random.normal(ks[0], (B, Q, H, 64), jnp.float32).astype(jnp.bfloat16)
+    sink = jax.random.normal(ks[1], (H,), jnp.float32)
+    window = lambda k, n: v41_rows.pack_window(  # noqa: E731
+        quant.fp8_e4m3_sim(jax.random.normal(k, (B, n, 64), jnp.float32) * 2, 32).astype(jnp.bfloat16), V41)
+    ring, chunk = window(ks[2], W), window(ks[3], Q)
+    entries = v41_rows.quantize_main(jax.random.normal(ks[4], (B, Nc, 64), jnp.float32) * 2, V41)
+    start = jnp.array([2, 11][:B], jnp.int32)
+    comp_idx = jax.random.randint(ks[5], (B, Q, Kc), -1, Nc)
+    return q, sink, window_rows(ring, chunk), window_indices(start, Q, W), entries, comp_idx
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_v41_rows_match_reference(test_seed, implementation):
+    """The kernel reads V4.1's compact rows directly (FP8 window rows, FP4 compressed rows); the reference
+    decodes them with `v41_rows` (checked equal to the kernels' decoders) and runs sink_attention."""
+    from dsjax import v41_rows
+    args = _case41(test_seed + 41)
+    np.testing.assert_array_equal(np.asarray(v41_rows.unpack_main(args[4], V41, jnp.float32)),
+                                  np.asarray(load_rows(args[4], V41_FORMATS[1])))
+    np.testing.assert_array_equal(np.asarray(v41_rows.unpack_window(args[2], V41, jnp.float32)),
+                                  np.asarray(load_rows(args[2], V41_FORMATS[0])))
+    kw = dict(scale=64 ** -0.5, row_format=V41_FORMATS)
+    opts = dict(block_k=16, num_splits=3, interpret=True) if implementation == "pallas" else {}
+    got = np.asarray(sparse_mqa_decode(*args, **kw, implementation=implementation, **opts), np.float32)
+    want = np.asarray(sparse_mqa_decode(*args, **kw, implementation="reference"), np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * float(np.max(np.abs(want))))
+
+
+def test_v41_rows_lower_for_h200():
+    """V4.1-Flash shapes: 528-byte window rows and 288-byte FP4 rows lower to Triton."""
+    from dsjax.kernels.sparse_mqa import pallas_triton
+    S = jax.ShapeDtypeStruct
+    for fmt, width in ((MainRowFormat(nope=512, rope=0, block=32), 528), (Fp4RowFormat(), 288)):
+        text = lower_for_h200(lambda q, kv, idx: pallas_triton.partials(q, kv, idx, fmt, 0.04, interpret=False),
+                              S((1, 6, 64, 512), jnp.bfloat16), S((1, 4096, width), jnp.uint8), S((1, 6, 640), jnp.int32))
+        assert "xla.gpu.triton" in text

@@ -66,3 +66,62 @@ def test_choices_are_reported(models, caplog):
     assert sum("sparse_mqa: kernels=pallas rows=977 chunk=1" in r.getMessage() for r in caplog.records) == 1
     assert "kernels=pallas rows=977 chunk=1 dtype=bfloat16 fmt=None -> pallas" in kernel_choice.choices()["sparse_mqa"]
     assert kernel_choice.choose(cfg.replace(kernels="auto"), "moe_gemm", rows=8, dtype=jnp.bfloat16, fmt="fp4") == "xla"
+
+
+def test_v41_attention_layers_match_xla(test_seed):
+    """V4.1 (tiny-v41, reference-bf16: compact 66-byte FP8 window rows and 36-byte FP4 compressed rows) through
+    the sparse MQA kernel reading those rows in place, a 6-token verify block after a 40-token prefix, each CSA2
+    role (window-only, ratio-2 source, Reuse, ratio-1 source + candidates, Reindex): within the kernel tolerance."""
+    from dsjax.layers.csa2 import attention41
+    from dsjax.v41_model import new_shared
+
+    m = dsjax.load("tiny-v41", kernels="xla", max_seq_len=64, max_batch=2)
+    cfg, params = m.cfg, m.params
+    st = _random_v41_state(cfg, jax.random.key(test_seed + 1), 40)
+    x = jax.random.normal(jax.random.key(test_seed), (2, 6, cfg.dim), jnp.float32).astype(jnp.bfloat16)
+    start, n = st.lengths, jnp.array([6, 4], jnp.int32)
+    roles = {0: "window", 2: "ratio-2 source", 3: "Reuse", 6: "ratio-1 source + candidates", 8: "Reindex"}
+
+    @jax.jit
+    def both(params, st, x):
+        shared, pairs = new_shared(st), []
+        for layer in range(max(roles) + 1):        # in order: later roles read what sources publish
+            w, ls = params.layers[layer].attn, st.layers[layer]
+            if layer in roles:                      # the kernel on a copy of what earlier layers published
+                mine = dict(shared, sources=dict(shared["sources"]), pending=list(shared.get("pending", [])))
+                got = attention41(x, w, cfg.replace(kernels="pallas"), layer, ls, mine, start, n)[0]
+            want = attention41(x, w, cfg, layer, ls, shared, start, n)[0]
+            if layer in roles:
+                pairs.append((got, want))
+        return pairs
+
+    for role, (got, want) in zip(roles.values(), both(params, st, x)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * np.abs(want).max(), err_msg=role)
+
+
+def _random_v41_state(cfg, key, length: int):
+    """A V4.1 state at `length` tokens whose rings, compressed rows and index keys hold random values in their
+    compact layouts (what a prefix would leave, without compiling the forward that makes it)."""
+    import dataclasses
+
+    from dsjax import kv_rows, quant, v41_rows
+    from dsjax.v41_state import init_state41
+
+    st = init_state41(cfg, 2, 64)
+    keys = iter(jax.random.split(key, 3 * cfg.n_layers))
+    d = cfg.head_dim
+
+    def normal(shape):
+        return jax.random.normal(next(keys), shape, jnp.float32) * 2.0
+
+    layers = []
+    for ls in st.layers:
+        window = v41_rows.pack_window(quant.fp8_e4m3_sim(normal(ls.window.shape[:2] + (d,)), 32).astype(jnp.bfloat16), cfg)
+        source = ls.source
+        if source is not None:
+            entries = v41_rows.quantize_main(normal(source.entries.shape[:2] + (d,)), cfg)
+            ik = quant.fp4_e2m1_sim(normal(source.index_keys.shape[:2] + (cfg.index_head_dim,)), cfg.index_quant_block)
+            source = dataclasses.replace(source, entries=entries, index_keys=kv_rows.pack_index(ik.astype(jnp.bfloat16), cfg))
+        layers.append(dataclasses.replace(ls, window=window, source=source))
+    return dataclasses.replace(st, lengths=jnp.full((2,), length, jnp.int32), layers=tuple(layers))

@@ -18,6 +18,10 @@ import jax.numpy as jnp
 
 from dsjax import quant, v41_rows
 from dsjax.config import ModelConfig
+from dsjax.kernel_choice import choose
+from dsjax.sharding import active_mesh
+from dsjax.kernels import sparse_mqa
+from dsjax.kernels.common import Fp4RowFormat, MainRowFormat
 from dsjax.layers.attention import compressed_visible, output_projection, sink_attention, update_ring, window_keys
 from dsjax.layers.indexer import index_scores
 from dsjax.layers.linear import linear, matmul
@@ -176,7 +180,8 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
     keys = v41_rows.load_window(keys, cfg)
     new = LayerState41(window=update_ring(st.window, kv, start, n_valid), source=st.source)
     ratio = cfg.layer_ratio(layer)
-    if ratio and layer < cfg.n_layers:
+    compressed = bool(ratio) and layer < cfg.n_layers
+    if compressed:
         if w.compressor is not None:
             new = LayerState41(window=new.window, source=update_source(x, w, st.source, cfg, layer, start, n_valid))
             shared["sources"][layer] = new.source
@@ -197,6 +202,12 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
             shared["topk"] = select_topk(scores, visible, cfg.index_topk)
         assert index_source_of(cfg, layer) >= 0, f"layer {layer} has no index source before it"
         chosen, chosen_ok = shared["topk"]
+    if T <= 16 and choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype,
+                          sharded=active_mesh() is not None) == "pallas":
+        src_entries = (src.entries, sparse_mqa.csa_indices(chosen, chosen_ok)) if compressed else (None, None)
+        o = kernel_attention(q, w.attn_sink, st.window, kv, src_entries, cfg, start, shared.get("window_from"))
+        return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new
+    if compressed:
         picked = v41_rows.load_main(take_rows(src.entries, chosen), cfg)
         keys = jnp.concatenate([keys, picked.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, chosen_ok], axis=2)
@@ -206,6 +217,25 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
 
     return per_token(cfg, attend, q, keys, valid, angles), new
+
+
+def kernel_attention(q, sink, ring, kv_stored, comp, cfg: ModelConfig, start, window_from=None):
+    """Decode / verify attention through the sparse MQA kernel (`dsjax.kernels.sparse_mqa`), reading V4.1's
+    compact rows in place: the window as 528-byte FP8 rows (V4's main-row layout with no rope dims, scales per 32),
+    the compressed picks as 288-byte FP4 rows (e4m3 scale per 16). comp = (entries, picks int32 [B,T,K]) or
+    (None, None). Returns o [B,T,H,d] before the inverse rope: `sink_attention` on the same key list."""
+    T = q.shape[1]
+    fmts = (MainRowFormat(nope=cfg.head_dim, rope=0, block=v41_rows.WINDOW_BLOCK), Fp4RowFormat.from_config(cfg))
+    window = sparse_mqa.window_rows(ring, kv_stored)
+    win_idx = sparse_mqa.window_indices(start, T, cfg.window_size)
+    if window_from is not None:   # CED replay: nothing in the ring before the replayed tokens
+        k_pos = start[:, None, None] + jnp.arange(T)[None, :, None] - (cfg.window_size - 1) + jnp.arange(cfg.window_size)
+        win_idx = jnp.where(k_pos >= window_from[:, None, None], win_idx, -1)
+    entries, picks = comp
+    if not v41_rows.compact(cfg):
+        window, entries = window.astype(q.dtype), None if entries is None else entries.astype(q.dtype)
+    return sparse_mqa.sparse_mqa_decode(q, sink, window, win_idx, entries, picks, scale=cfg.head_dim ** -0.5,
+                                        row_format=fmts, implementation="pallas")
 
 
 def commit_layer41(x, kv, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState41, start, n_valid) -> LayerState41:

@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from dsjax.kernels.common import MainRowFormat, check_implementation
+from dsjax.kernels.common import Fp4RowFormat, MainRowFormat, check_implementation  # noqa: F401
 from dsjax.kernels.sparse_mqa import pallas_triton, reference, xla
 
 
@@ -14,6 +14,8 @@ def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv=None, comp_idx=Non
     sink:       [H] fp32 per-head sink logit (denominator only).
     window_kv:  [B, Nw, R] stored main-KV rows: the window ring followed by this chunk's rows
                 (`window_rows`), uint8 compact rows (`row_format`) or values [B, Nw, d].
+    row_format: the rows' layout, or (window layout, compressed layout) when they differ — V4.1: window rows
+                `MainRowFormat(nope=d, rope=0, block=32)` (528 B), compressed rows `Fp4RowFormat` (288 B).
     window_idx: int32 [B, Q, Kw] rows of window_kv per query, oldest first; -1 = no key (`window_indices`).
     comp_kv:    [B, Nc, R] the compressed entries (CompressorState.entries), or None (window-only layers).
     comp_idx:   int32 [B, Q, Kc] entries per query: CSA top-k picks, HCA every completed entry
@@ -27,6 +29,7 @@ def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv=None, comp_idx=Non
     """
     impl = check_implementation(implementation)
     args = (q, sink, window_kv, window_idx, comp_kv, comp_idx)
+    row_format = row_format if isinstance(row_format, tuple) else (row_format, row_format)
     if impl == "reference":
         return reference.sparse_mqa_decode(*args, scale=scale, row_format=row_format)
     if impl == "xla":

@@ -81,9 +81,9 @@ def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: in
 
 def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv, comp_idx, *, scale: float, row_format,
                       num_splits: int | None = None, **options):
-    part = functools.partial(partials, fmt=row_format, scale=scale, **options)
-    parts = [part(q, window_kv, window_idx, num_splits=1)]
+    part = functools.partial(partials, scale=scale, **options)
+    parts = [part(q, window_kv, window_idx, row_format[0], num_splits=1)]
     if comp_kv is not None:
-        parts.append(part(q, comp_kv, comp_idx, num_splits=num_splits))
+        parts.append(part(q, comp_kv, comp_idx, row_format[1], num_splits=num_splits))
     stacked = tuple(jnp.concatenate(x, axis=2) for x in zip(*parts))
     return combine(stacked, sink.astype(jnp.float32), q.dtype)

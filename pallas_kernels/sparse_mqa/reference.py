@@ -20,8 +20,8 @@ def gather_keys(kv, idx, fmt, dtype):
 
 def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv, comp_idx, *, scale: float, row_format):
     dt = q.dtype
-    keys, valid = gather_keys(window_kv, window_idx, row_format, dt)
+    keys, valid = gather_keys(window_kv, window_idx, row_format[0], dt)
     if comp_kv is not None:
-        c_keys, c_valid = gather_keys(comp_kv, comp_idx, row_format, dt)
+        c_keys, c_valid = gather_keys(comp_kv, comp_idx, row_format[1], dt)
         keys, valid = jnp.concatenate([keys, c_keys], axis=2), jnp.concatenate([valid, c_valid], axis=2)
     return sink_attention(q, keys, valid, sink, scale)  # the model's own definition, not a copy

@@ -42,7 +42,7 @@ def combine(parts, sink, dtype):
 
 
 def sparse_mqa_decode(q, sink, window_kv, window_idx, comp_kv, comp_idx, *, scale: float, row_format):
-    sources = [(window_kv, window_idx)] + ([(comp_kv, comp_idx)] if comp_kv is not None else [])
-    parts = [partials(q, kv, idx, row_format, scale) for kv, idx in sources]
+    sources = [(window_kv, window_idx, row_format[0])] + ([(comp_kv, comp_idx, row_format[1])] if comp_kv is not None else [])
+    parts = [partials(q, kv, idx, fmt, scale) for kv, idx, fmt in sources]
     stacked = tuple(jnp.stack(x, axis=-2 if i < 2 else -3) for i, x in enumerate(zip(*parts)))
     return combine(stacked, sink.astype(jnp.float32), q.dtype)
