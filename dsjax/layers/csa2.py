@@ -202,7 +202,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
             shared["topk"] = select_topk(scores, visible, cfg.index_topk)
         assert index_source_of(cfg, layer) >= 0, f"layer {layer} has no index source before it"
         chosen, chosen_ok = shared["topk"]
-    if T <= 16 and choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype,
+    if T <= 16 and choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype, fmt="v41-rows",
                           sharded=active_mesh() is not None) == "pallas":
         src_entries = (src.entries, sparse_mqa.csa_indices(chosen, chosen_ok)) if compressed else (None, None)
         o = kernel_attention(q, w.attn_sink, st.window, kv, src_entries, cfg, start, shared.get("window_from"))
