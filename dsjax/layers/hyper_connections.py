@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
 from dsjax.kernel_choice import choose
+from dsjax.sharding import active_mesh
 from dsjax.weights import HcHead, HyperMix
 from dsjax.numerics import div_exact, materialize, mean_exact, round_to, sigmoid, sum_in_order
 
@@ -50,7 +51,8 @@ def mixes_split(m, mix: HyperMix, cfg: ModelConfig, dtype):
     """`sinkhorn_split` through the op `dsjax.kernels.mhc_sinkhorn` (its XLA path, or the fused kernel where
     `dsjax.kernel_choice` picks it for streams of `dtype`)."""
     from dsjax.kernels.mhc_sinkhorn import mhc_sinkhorn
-    impl = choose(cfg, "mhc_sinkhorn", rows=int(m.size // m.shape[-1]), dtype=dtype)
+    impl = choose(cfg, "mhc_sinkhorn", rows=int(m.size // m.shape[-1]), dtype=dtype,
+                  sharded=active_mesh() is not None)   # a pallas_call is not partitioned by GSPMD
     return mhc_sinkhorn(m, mix.scale, mix.base, n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
                         implementation=impl)
 
