@@ -13,7 +13,7 @@ from dsjax.kernels.mhc_sinkhorn import mhc_sinkhorn
 N, ITERS, EPS = 4, 20, 1e-6
 
 
-def _case(seed, rows=300):
+def _case(seed, rows=150):
     ks = jax.random.split(jax.random.key(seed), 3)
     m = jax.random.normal(ks[0], (2, rows // 2, (2 + N) * N), jnp.float32) * 3.0
     scale = jax.random.uniform(ks[1], (3,), jnp.float32, 0.5, 2.0)
