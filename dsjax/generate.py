@@ -89,6 +89,15 @@ def _first_token(carry: LoopCarry, logits, sp: SamplingParams, stop_ids, max_new
     return dataclasses.replace(carry, done=finish_flags(carry, tok, active, stop_ids, max_new, max_seq))
 
 
+def _chunk_ids(rows, slots: int, start: int, C: int):
+    """int32 [slots, C]: each prompt's tokens [start, start + C), zero-padded (rows past the prompts: zeros)."""
+    chunk = np.zeros((slots, C), np.int32)
+    for b, r in enumerate(rows):
+        part = r[start:start + C]
+        chunk[b, :len(part)] = part
+    return chunk
+
+
 def _replay_prefill(params, cfg: ModelConfig, rows, slots: int, C: int, state, rings):
     """V4.1's CED prefill with SWA bounded replay (dsjax.v41_replay): (logits and DSpark main_x at each row's
     last prompt position, state, rings)."""
@@ -96,14 +105,9 @@ def _replay_prefill(params, cfg: ModelConfig, rows, slots: int, C: int, state, r
     from dsjax.v41_replay import last_logits, prefill_replay
 
     lengths = np.array([len(r) for r in rows] + [1] * (slots - len(rows)))
-    chunks = []
-    for start in range(0, int(lengths.max()), C):
-        chunk = np.zeros((slots, C), np.int32)
-        for b, r in enumerate(rows):
-            part = r[start:start + C]
-            chunk[b, :len(part)] = part
-        chunks.append((jnp.asarray(chunk), jnp.asarray(np.clip(lengths - start, 0, C).astype(np.int32))))
-    y, taps, first, state = prefill_replay(params, cfg, chunks, state, lengths, C)
+    chunks = [(jnp.asarray(_chunk_ids(rows, slots, start, C)), jnp.asarray(np.clip(lengths - start, 0, C).astype(np.int32)))
+              for start in range(0, int(lengths.max()), C)]
+    y, taps, first, state = prefill_replay(params, cfg, chunks, state, lengths)
     logits = last_logits(params, cfg, y, lengths, first)
     last_h = None
     if rings is not None:
@@ -156,11 +160,11 @@ def validate(cfg: ModelConfig, prompts, opts: GenerateOptions, max_seq: int, max
     for t in opts.stop_token_ids:
         if not 0 <= int(t) < cfg.vocab_size:
             raise InputError(f"stop token id {t} is out of range [0, {cfg.vocab_size})")
-    if opts.prefill_schedule not in ("exact", "replay"):
+    from dsjax.v41_replay import SCHEDULES, decoder_start
+    if opts.prefill_schedule not in SCHEDULES:
         raise InputError(f"prefill_schedule={opts.prefill_schedule!r}: choose 'exact' or 'replay'")
     if opts.prefill_schedule == "replay":
         from dsjax.config import ConfigError
-        from dsjax.v41_replay import decoder_start
         try:
             decoder_start(cfg)
         except ConfigError as e:
@@ -208,12 +212,7 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     if replay and vision is not None:
         raise InputError("prefill_schedule='replay' with images is not supported yet: use the exact schedule")
     for start in range(0, int(lengths.max()) if not replay else 0, C):
-        chunk = np.zeros((slots, C), np.int32)
-        nxt = np.zeros((slots, C), np.int32)
-        for b, r in enumerate(rows):
-            part, after = r[start:start + C], r[start + 1:start + C + 1]
-            chunk[b, :len(part)] = part
-            nxt[b, :len(after)] = after
+        chunk, nxt = _chunk_ids(rows, slots, start, C), _chunk_ids(rows, slots, start + 1, C)
         n_valid = np.clip(lengths - start, 0, C).astype(np.int32)
         n_mtp = np.clip(lengths - 1 - start, 0, C).astype(np.int32)
         image = None

@@ -35,6 +35,11 @@ def collapse(h, pre):
     return round_to(sum_in_order(materialize(pre[..., None] * h.astype(jnp.float32)), axis=-2), h.dtype)
 
 
+def attention_input(h, pre_mix, w: Block41, cfg: ModelConfig):
+    """A block's normed attention input: the streams collapsed with the previous sub-layer's `pre` [b,s,D]."""
+    return rms_norm(collapse(h, pre_mix), w.attn_norm, cfg.norm_eps)
+
+
 def block41(h, pre_mix, token_ids, w: Block41, cfg: ModelConfig, layer: int, st, shared: dict, start, n_valid,
             attention=attention41, image_mask=None):
     """One V4.1 block. Returns (h [b,t,n,D], pre_mix for the next block, new layer state). `attention` has
@@ -42,7 +47,7 @@ def block41(h, pre_mix, token_ids, w: Block41, cfg: ModelConfig, layer: int, st,
     tokens, which the MoE routes with its VL bias."""
     def attn_input(h, pre_mix):
         pre, post, comb = mixes(h, w.hc_attn, cfg)
-        return rms_norm(collapse(h, pre_mix), w.attn_norm, cfg.norm_eps), pre, post, comb
+        return attention_input(h, pre_mix, w, cfg), pre, post, comb
 
     def ffn_part(x, residual, post, comb, attn_pre, ids, image=None):
         h = hc_post(x, residual, post, comb)

@@ -27,12 +27,11 @@ import jax.numpy as jnp
 from dsjax.config import ConfigError, ModelConfig
 from dsjax.layers.csa2 import update_source
 from dsjax.layers.engram import hash_ids, next_history
-from dsjax.layers.norms import rms_norm
 from dsjax.layers.rows import per_token
-from dsjax.v41_model import collapse, embed41, head_logits41, new_shared, run_layers41
+from dsjax.v41_model import attention_input, collapse, embed41, head_logits41, new_shared, run_layers41
 from dsjax.v41_state import LayerState41, State41
 
-SCHEDULES = ("exact", "replay")
+SCHEDULES = ("exact", "replay")   # generate(prefill_schedule=...): every layer for every token, or this one
 
 
 def decoder_start(cfg: ModelConfig) -> int:
@@ -71,7 +70,7 @@ def encode_chunk41(params, token_ids, state: State41, n_valid, keep, first, *, c
     h, pre_mix, layers, _, _ = run_layers41(params, cfg, h, pre_mix, token_ids, state, start, n_valid, range(E),
                                             new_shared(state), row_ids=row_ids)
     w, st = params.layers[E], state.layers[E]
-    x = per_token(cfg, lambda h, p: rms_norm(collapse(h, p), w.attn_norm, cfg.norm_eps), h, pre_mix)
+    x = per_token(cfg, lambda h, p: attention_input(h, p, w, cfg), h, pre_mix)
     layers[E] = LayerState41(window=st.window, source=update_source(x, w.attn, st.source, cfg, E, start, n_valid))
     t = jnp.arange(T)[None, :]
     slot = start[:, None] + t - first[:, None]
@@ -98,7 +97,7 @@ def replay41(params, state: State41, keep, first, *, cfg: ModelConfig):
     return y, taps, dataclasses.replace(state, layers=tuple(layers))
 
 
-def prefill_replay(params, cfg: ModelConfig, chunks, state: State41, lengths, chunk_len: int):
+def prefill_replay(params, cfg: ModelConfig, chunks, state: State41, lengths):
     """The whole schedule for a batch of prompts already cut into chunks (token ids [B, C] with n_valid [B] per
     chunk, every row from position 0). Returns (y [B,W,D] at the replayed positions, taps, first, state)."""
     first = replay_from(jnp.asarray(lengths, jnp.int32), cfg.window_size)

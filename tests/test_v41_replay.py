@@ -62,7 +62,7 @@ def _both(ids, lengths, numerics="reference-bf16", exact=True):
     """(replay's last logits, its state, exact's last logits, its state) on the golden weights."""
     _, cfg, params = golden_model(numerics)
     chunks = _chunks(ids, lengths)
-    y, _, first, st_r = prefill_replay(params, cfg, chunks, init_state41(cfg, ids.shape[0], MAX_SEQ), lengths, C)
+    y, _, first, st_r = prefill_replay(params, cfg, chunks, init_state41(cfg, ids.shape[0], MAX_SEQ), lengths)
     replay = np.asarray(last_logits(params, cfg, y, lengths, first))
     if not exact:
         return replay, st_r, None, None

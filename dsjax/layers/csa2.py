@@ -173,11 +173,10 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
     q, kv, iq = per_token(cfg, projections, x, angles)
     kv = v41_rows.store_window(kv, cfg)
     shared.setdefault("pending", []).append((x, kv))  # what `commit_layer41` needs to commit a shorter prefix
-    keys, valid = window_keys(st.window, kv, start, cfg.window_size)
-    if shared.get("window_from") is not None:   # CED replay: the ring holds nothing before the replayed tokens
+    window_ok = None            # CED replay: the ring holds nothing before the replayed tokens
+    if shared.get("window_from") is not None:
         k_pos = q_pos[..., None] - (cfg.window_size - 1) + jnp.arange(cfg.window_size)
-        valid = valid & (k_pos >= shared["window_from"][:, None, None])
-    keys = v41_rows.load_window(keys, cfg)
+        window_ok = k_pos >= shared["window_from"][:, None, None]                 # [B,T,W], window_keys order
     new = LayerState41(window=update_ring(st.window, kv, start, n_valid), source=st.source)
     ratio = cfg.layer_ratio(layer)
     compressed = bool(ratio) and layer < cfg.n_layers
@@ -205,8 +204,12 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
     if T <= 16 and choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype, fmt="v41-rows",
                           sharded=active_mesh() is not None) == "pallas":
         src_entries = (src.entries, sparse_mqa.csa_indices(chosen, chosen_ok)) if compressed else (None, None)
-        o = kernel_attention(q, w.attn_sink, st.window, kv, src_entries, cfg, start, shared.get("window_from"))
+        o = kernel_attention(q, w.attn_sink, st.window, kv, src_entries, cfg, start, window_ok)
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new
+    keys, valid = window_keys(st.window, kv, start, cfg.window_size)
+    if window_ok is not None:
+        valid = valid & window_ok
+    keys = v41_rows.load_window(keys, cfg)
     if compressed:
         picked = v41_rows.load_main(take_rows(src.entries, chosen), cfg)
         keys = jnp.concatenate([keys, picked.astype(keys.dtype)], axis=2)
@@ -219,18 +222,18 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
     return per_token(cfg, attend, q, keys, valid, angles), new
 
 
-def kernel_attention(q, sink, ring, kv_stored, comp, cfg: ModelConfig, start, window_from=None):
+def kernel_attention(q, sink, ring, kv_stored, comp, cfg: ModelConfig, start, window_ok=None):
     """Decode / verify attention through the sparse MQA kernel (`dsjax.kernels.sparse_mqa`), reading V4.1's
     compact rows in place: the window as 528-byte FP8 rows (V4's main-row layout with no rope dims, scales per 32),
     the compressed picks as 288-byte FP4 rows (e4m3 scale per 16). comp = (entries, picks int32 [B,T,K]) or
-    (None, None). Returns o [B,T,H,d] before the inverse rope: `sink_attention` on the same key list."""
+    (None, None); window_ok [B,T,W] (or None) drops window keys (the CED replay's). Returns o [B,T,H,d] before the
+    inverse rope: `sink_attention` on the same key list."""
     T = q.shape[1]
     fmts = (MainRowFormat(nope=cfg.head_dim, rope=0, block=v41_rows.WINDOW_BLOCK), Fp4RowFormat.from_config(cfg))
     window = sparse_mqa.window_rows(ring, kv_stored)
     win_idx = sparse_mqa.window_indices(start, T, cfg.window_size)
-    if window_from is not None:   # CED replay: nothing in the ring before the replayed tokens
-        k_pos = start[:, None, None] + jnp.arange(T)[None, :, None] - (cfg.window_size - 1) + jnp.arange(cfg.window_size)
-        win_idx = jnp.where(k_pos >= window_from[:, None, None], win_idx, -1)
+    if window_ok is not None:
+        win_idx = jnp.where(window_ok, win_idx, -1)
     entries, picks = comp
     if not v41_rows.compact(cfg):
         window, entries = window.astype(q.dtype), None if entries is None else entries.astype(q.dtype)

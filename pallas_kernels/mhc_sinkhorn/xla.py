@@ -7,7 +7,12 @@ import types
 from dsjax.layers.hyper_connections import sinkhorn_split
 
 
-def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float):
+def model_split(m, scale, base, *, n: int, iters: int, eps: float, unroll: bool):
+    """`sinkhorn_split` called with the op's arguments (the mix weights and config fields it reads)."""
     mix = types.SimpleNamespace(scale=scale, base=base)
     cfg = types.SimpleNamespace(hc_mult=n, hc_eps=eps, hc_sinkhorn_iters=iters)
-    return sinkhorn_split(m, mix, cfg, unroll=False)
+    return sinkhorn_split(m, mix, cfg, unroll=unroll)
+
+
+def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float):
+    return model_split(m, scale, base, n=n, iters=iters, eps=eps, unroll=False)

@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from dsjax.kernels.common import Fp4RowFormat, MainRowFormat, check_implementation  # noqa: F401
+from dsjax.kernels.common import MainRowFormat, check_implementation
 from dsjax.kernels.sparse_mqa import pallas_triton, reference, xla
 
 
