@@ -201,3 +201,38 @@ def test_v41_slices_keep_valid_csa2_roles_and_read_engram_rows_not_tables():
     for bad in ("slice:v4.1-flash:2", "slice:v4.1-flash:9", "slice:v4.1-flash:8:3"):
         with pytest.raises(ConfigError):
             slice_config(*parse_slice(bad)[1:], family="v4.1-flash")
+
+
+def test_prefill_extrapolates_v41_per_layer_kind_and_fits_a_nonnegative_projection():
+    """V4.1: the shallow depth is the slice's 5 encoder layers, the deep one adds 3 decoder layers; the full model
+    has 20 of each. V4: linear in layers. The 1M fit never turns a growing cost negative."""
+    from dsjax.bench.prefill import full_model_seconds, nonnegative_fit
+
+    v41 = slice_config(*parse_slice("slice:v4.1-flash")[1:], family="v4.1-flash")
+    assert full_model_seconds(v41, preset("v4.1-flash"), 5.0, 11.0, 5) == pytest.approx(20 * 1.0 + 20 * 2.0)
+    v4 = slice_config(4, 16, family="v4-flash", pattern="model")
+    assert full_model_seconds(v4, preset("v4-flash"), 2.0, 4.0, 2) == pytest.approx(4.0 + 39 * 1.0)
+    S = np.array([8192.0, 16384, 32768])
+    a, b = nonnegative_fit(np.stack([S, S * S], 1), 2e-5 * S + 1e-11 * S * S)
+    assert a == pytest.approx(2e-5) and b == pytest.approx(1e-11)
+    a, b = nonnegative_fit(np.stack([S, S * S], 1), np.array([1.0, 2.1, 3.9]))   # concave noise: b would be < 0
+    assert b == 0.0 and a == pytest.approx(np.dot(S, [1.0, 2.1, 3.9]) / np.dot(S, S))
+
+
+def test_prefill_schedules_run_on_a_v41_slice():
+    """`bench prefill --schedule replay` times the CED replay (encoder chunks, then the decoder over the last
+    window): one ragged prompt through both schedules; V4 refuses the replay; a V4.1 proxy depth must be the
+    encoder layers exactly."""
+    from dsjax.bench.prefill import prefill_seconds
+    from dsjax.bench.slices import shallower, slice_model
+
+    model = slice_model("slice:tiny-v41:8", max_seq_len=128)
+    for schedule in ("exact", "replay"):
+        secs, first = prefill_seconds(model, 40, 32, schedule=schedule)
+        assert 0 < secs and 0 < first
+    with pytest.raises(ConfigError, match="encoder layers"):
+        shallower(model, 5)
+    assert shallower(model, 4).cfg.n_layers == 4
+    from dsjax.bench.prefill import schedule_steps
+    with pytest.raises(ConfigError, match="exact schedule only"):
+        schedule_steps(slice_config(2, 8, family="tiny-v4", pattern="model"), "replay", 40)

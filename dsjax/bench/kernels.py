@@ -99,25 +99,59 @@ def mqa_case(key, B: int, N: int, picks: int | None, Q: int = 6, H: int = 64, wi
     return (q, sink, win, win_idx, comp, comp_idx), fmt
 
 
-def mqa_bytes(args, fmt) -> int:
-    q, _, _, win_idx, _, comp_idx = args
-    distinct = sum(len(np.unique(np.asarray(ix[b]))) for ix in (win_idx, comp_idx) for b in range(q.shape[0]))
-    return distinct * fmt.row_bytes + 2 * q.size * 2
+def mqa_case41(key, B: int, N: int, picks: int, Q: int = 6, H: int = 64, window: int = 128):
+    """V4.1 rows (spec §4.1): the window as 528-byte FP8 rows, `picks` of N compressed entries as 288-byte FP4
+    rows, read in place by the kernel (`row_format` per source)."""
+    import types
+
+    from dsjax import v41_rows
+    from dsjax.kernels.common import Fp4RowFormat
+
+    d = 512
+    cfg = types.SimpleNamespace(head_dim=d, family="v4.1")
+    fmts = (MainRowFormat(nope=d, rope=0, block=32), Fp4RowFormat(dim=d))
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (B, Q, H, d), jnp.float32).astype(jnp.bfloat16)
+    sink = jax.random.normal(ks[1], (H,), jnp.float32)
+    win = v41_rows.pack_window(quant.fp8_e4m3_sim(jax.random.normal(ks[2], (B, window + Q, d), jnp.float32), 32)
+                               .astype(jnp.bfloat16), cfg)
+    start = jnp.full((B,), 4 * N, jnp.int32)
+    comp = v41_rows.quantize_main(jax.random.normal(ks[3], (B, N, d), jnp.float32), cfg)
+    comp_idx = jax.random.randint(ks[4], (B, Q, picks), 0, N, jnp.int32)
+    return (q, sink, win, sparse_mqa.window_indices(start, Q, window), comp, comp_idx), fmts
+
+
+def mqa_bytes(args) -> int:
+    """The distinct rows each source's indices select (at that source's row width), the queries, the output."""
+    q, _, win, win_idx, comp, comp_idx = args
+    distinct = lambda ix: sum(len(np.unique(np.asarray(ix[b]))) for b in range(q.shape[0]))  # noqa: E731
+    row = lambda rows: rows.shape[-1] * rows.dtype.itemsize  # noqa: E731
+    return distinct(win_idx) * row(win) + distinct(comp_idx) * row(comp) + 2 * q.size * 2
 
 
 def bench_mqa(emit, sweep: bool, smoke: bool = False):
     cases = [("csa", 2, 256, 64), ("hca", 1, 64, None)] if smoke else [("csa@64k", 32, 16384, 512), ("hca@64k", 32, 512, None), ("csa@64k", 1, 16384, 512),
              ("hca@64k", 1, 512, None), ("csa@1M", 1, 262144, 512), ("hca@1M", 1, 8192, None),
              ("hca@1M", 32, 8192, None)]
+    # V4.1-Flash (FP8 window rows + FP4 compressed rows): a ratio-2 CSA2 layer at 64k (32,768 entries) and the
+    # ratio-1 layers at 64k / 1M (65,536 / 1,048,576 entries), 512 picks each
+    cases41 = [("v41-r2@64k", 1, 64, 16)] if smoke else [("v41-r2@64k", 32, 32768, 512), ("v41-r1@64k", 1, 65536, 512),
+                                                        ("v41-r1@1M", 1, 1 << 20, 512), ("v41-r1@64k", 32, 65536, 512)]
     configs = [{}]
     if sweep:
         configs += [dict(block_k=bk, head_block=hb, num_warps=w) for bk in (32, 64) for hb in (32, 64) for w in (4, 8)]
     for name, B, N, picks in cases:
         args, fmt = mqa_case(jax.random.key(0), B, N, picks)
-        nbytes = mqa_bytes(args, fmt)
+        nbytes = mqa_bytes(args)
         run = lambda impl, **o: jax.jit(functools.partial(sparse_mqa.sparse_mqa_decode, scale=fmt.dim ** -0.5,
                                                           row_format=fmt, implementation=impl, **o))
         side_by_side(emit, run, args, dict(op="sparse_mqa", case=name, batch=B, entries=N), nbytes, configs)
+    for name, B, N, picks in cases41:
+        args, fmts = mqa_case41(jax.random.key(0), B, N, picks)
+        run = lambda impl, **o: jax.jit(functools.partial(sparse_mqa.sparse_mqa_decode, scale=512 ** -0.5,
+                                                          row_format=fmts, implementation=impl, **o))
+        side_by_side(emit, run, args, dict(op="sparse_mqa", case=name, batch=B, entries=N, rows="v4.1"),
+                     mqa_bytes(args), configs)
 
 
 # ----------------------------------------------------------------------------- chunk (prefill) attention

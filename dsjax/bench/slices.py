@@ -148,14 +148,21 @@ def extrapolate_depth(t_shallow: float, t_deep: float, shallow: int, deep: int, 
 
 def shallower(model, layers: int):
     """The slice's first `layers` layers as a Model sharing its weights (no copy): a second depth for the
-    per-layer difference."""
+    per-layer difference. A V4.1 slice is cut exactly at its first decoder layer (the ratio-1 source): the
+    encoder layers alone, for prefill timing (its DSpark reads other layers than the deep slice's)."""
     from dsjax.api import Model
 
     cfg = model.cfg
     family = cfg.name.split("-slice")[0]
     if family in V41_FAMILIES:
-        raise ConfigError("a shallower V4.1 slice would move its DSpark taps; time two V4.1 slices instead")
-    sub = slice_config(layers, cfg.n_routed_experts, family=family, pattern="model").replace(kernels=cfg.kernels)
+        from dsjax.v41_replay import decoder_start
+
+        if layers != decoder_start(cfg):
+            raise ConfigError(f"a shallower V4.1 slice keeps exactly its encoder layers ({decoder_start(cfg)} "
+                              f"of {cfg.n_layers}), not {layers}")
+        sub = slice_config41(layers, cfg.n_routed_experts, family=family).replace(kernels=cfg.kernels)
+    else:
+        sub = slice_config(layers, cfg.n_routed_experts, family=family, pattern="model").replace(kernels=cfg.kernels)
     return Model(sub, dataclasses.replace(model.params, layers=model.params.layers[:layers]),
                  source=f"first {layers} layers of {model.source}", max_seq_len=model.max_seq_len,
                  max_batch=model.max_batch)
