@@ -33,20 +33,25 @@ def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int) -> bool:
     return False
 
 
-def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: bool = False, chunk: int = 1) -> str:
+def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: bool = False, chunk: int = 1,
+           operands=()) -> str:
     """The implementation of `op` for a call with `rows` query rows / tokens in compute `dtype`, `chunk` tokens
-    per sequence (1 decode, k+1 verify, more for prefill chunks)."""
+    per sequence (1 decode, k+1 verify, more for prefill chunks). `operands`: the large arrays the kernel would
+    index (KV caches); one the Triton lowering cannot address (`kernels.common.offsets_fit`) means XLA."""
+    from dsjax.kernels.common import offsets_fit
+
     mode = cfg.kernels
+    addressable = all(offsets_fit(a) for a in operands)
     if mode in ("xla", "reference"):
         impl = "xla" if mode == "xla" or op != "moe_gemm" else "reference"
     else:
-        usable = (jnp.dtype(dtype) == jnp.bfloat16 and not cfg.batch_invariant and not sharded
+        usable = (jnp.dtype(dtype) == jnp.bfloat16 and not cfg.batch_invariant and not sharded and addressable
                   and (fmt or "bf16") != "f32")
         if mode == "pallas":
             impl = "pallas" if usable else "xla"
         else:
             impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt, chunk) else "xla"
-    key = (op, mode, rows, chunk, str(jnp.dtype(dtype)), fmt, sharded)
+    key = (op, mode, rows, chunk, str(jnp.dtype(dtype)), fmt, sharded, addressable)
     if key not in _CHOSEN:
         _CHOSEN[key] = impl
         log.info("%s: %s -> %s", op, _describe(key), impl)
@@ -54,8 +59,9 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
 
 
 def _describe(key) -> str:
-    op, mode, rows, chunk, dtype, fmt, sharded = key
-    return f"kernels={mode} rows={rows} chunk={chunk} dtype={dtype} fmt={fmt}{' sharded' if sharded else ''}"
+    op, mode, rows, chunk, dtype, fmt, sharded, addressable = key
+    return (f"kernels={mode} rows={rows} chunk={chunk} dtype={dtype} fmt={fmt}{' sharded' if sharded else ''}"
+            f"{'' if addressable else ' (an operand past the int32 offsets of the Triton lowering)'}")
 
 
 def choices() -> dict[str, list[str]]:

@@ -322,21 +322,48 @@ def fp4_pieces(packed, j, scale, dtype):
             (2 * j + 1, fp4_code_to_f32(packed >> 4).astype(dtype), scale)]
 
 
+def offsets_fit(a) -> bool:
+    """Whether Pallas' Triton lowering indexes array `a` correctly: it computes element offsets in int32 unless
+    the array holds more than 2^32 bytes, so an array of more than 2^31 elements within 2^32 bytes (1-byte codes:
+    packed FP4 / FP8 weights, compact KV rows) wraps past 2^31 - 1 and reads out of bounds."""
+    n = math.prod(a.shape)
+    return n <= 2 ** 31 or n * jnp.dtype(a.dtype).itemsize > 2 ** 32
+
+
+def check_offsets(name: str, *arrays) -> None:
+    """A clear error instead of an illegal memory access (see `offsets_fit`)."""
+    bad = [(tuple(a.shape), str(a.dtype)) for a in arrays if not offsets_fit(a)]
+    if bad:
+        raise ValueError(f"{name}: Pallas' Triton lowering would index {bad} with wrapping int32 offsets "
+                         "(more than 2^31 elements in at most 2^32 bytes); use the xla implementation")
+
+
+def fp4_words(w):
+    """Packed e2m1 bytes uint8 [..., n] (n % 4 == 0) -> uint32 [..., n/4], the same bytes read as little-endian
+    words (a bitcast, no copy). Kernels index weight stacks in words: Pallas' Triton lowering computes element
+    offsets in int32 for arrays of at most 2^32 bytes, so a byte-indexed stack of 2^31 .. 2^32 bytes (V4.1-Flash's
+    384 x 2304 x 2560 expert gate/up stacks) would wrap past 2^31 elements and read out of bounds."""
+    return jax.lax.bitcast_convert_type(w.reshape(w.shape[:-1] + (w.shape[-1] // 4, 4)), jnp.uint32)
+
+
 def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype):
     """Rows `rows` x chunk [k0, k0+bk) of expert e of a stored `Linear` stack as (input columns, values
     [len(rows), len(columns)] in dtype, scale per row fp32 or None) triples: out += (x[:, cols] · valuesᵀ) · scale.
 
-    The ue8m0 scale (a power of two) multiplies the product, not the weights: exact, and one multiply per output
-    instead of one per weight. FP8: a chunk lies inside one scale block (bk divides `block`). FP4: one piece per
-    scale block and nibble: even columns (low nibbles) and odd columns (high nibbles), never interleaved."""
+    FP8: a chunk lies inside one scale block (bk divides `block`); the ue8m0 scale (a power of two) multiplies
+    the product, not the weights: exact, and one multiply per output instead of one per weight. FP4 (w_ref the
+    `fp4_words` view, 8 codes a word, low nibble first): one piece per nibble position p — columns 8j + p of the
+    chunk's words j, never interleaved — with each value times its block's scale (exact: a power of two times an
+    e2m1 value), so a piece may span several scale blocks and keeps a dot's contraction ≥ 16 wide."""
     r2 = rows[:, None]
     if fmt == "fp4":
-        out = []
-        for b0 in range(0, bk, block):
-            j = iota(block // 2) + (k0 + b0) // 2
-            scale = e8m0_to_f32(gather(s_ref, e, rows, (k0 + b0) // block))
-            out += fp4_pieces(gather(w_ref, e, r2, j[None, :]), j, scale, dtype)
-        return out
+        if block % 8 or bk % 8:
+            raise ValueError(f"FP4 weights: scale block {block} and chunk {bk} must be multiples of 8 columns")
+        jw = iota(bk // 8) + k0 // 8
+        words = gather(w_ref, e, r2, jw[None, :])
+        scale = e8m0_to_f32(gather(s_ref, e, r2, (jw * 8 // block)[None, :]))
+        return [(8 * jw + p, (fp4_code_to_f32((words >> (4 * p)) & 0xF) * scale).astype(dtype), None)
+                for p in range(8)]
     cols = iota(bk) + k0
     vals = gather(w_ref, e, r2, cols[None, :]).astype(dtype)
     scale = e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block)) if fmt == "fp8" else None

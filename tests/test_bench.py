@@ -198,6 +198,10 @@ def test_v41_slices_keep_valid_csa2_roles_and_read_engram_rows_not_tables():
     b = roofline.step_bytes(cfg, batch=1, T=1, ctx=4096)
     table = cfg.engram_num_embeddings[0] * cfg.engram_head_dim * (1 + 1 / 32)   # fp8 codes + one e8m0 per 32
     assert b["dense_weights"] < table                     # the 4.3 GB table is not read whole
+    from dsjax.layers.engram import engram_constants     # the cut table's hash stays in range of its rows
+    c = engram_constants(cfg)
+    assert abs(cfg.engram_num_embeddings[0] - (1 << 24)) < 1 << 14    # primes a little above the cut base
+    assert int(c.offsets[0, -1] + c.primes[0, -1, -1]) == cfg.engram_num_embeddings[0]
     for bad in ("slice:v4.1-flash:2", "slice:v4.1-flash:9", "slice:v4.1-flash:8:3"):
         with pytest.raises(ConfigError):
             slice_config(*parse_slice(bad)[1:], family="v4.1-flash")

@@ -128,3 +128,24 @@ def test_pallas_lowers_for_h200(fmt):
     text = lower_for_h200(f, S((n, D_), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I_, D_), lin(I_, D_), lin(D_, I_))
     assert text.count("xla.gpu.triton") == 2
+
+
+def test_v41_expert_stacks_are_indexed_in_words():
+    """V4.1-Flash's FP4 gate/up stacks (384 x 2304 x 5120 codes = 2.26e9 bytes) lie where Pallas' Triton lowering
+    computes int32 element offsets that wrap (an illegal address on the H200): the kernels read them as 32-bit
+    words (565M elements) and lower; the byte view is refused with a clear error instead of running."""
+    from dsjax.kernels.common import check_offsets, offsets_fit
+    from dsjax.kernels.moe_gemm import pallas_triton
+    S = jax.ShapeDtypeStruct
+    E_, D_, I_, n = 384, 5120, 2304, 8
+    lin = lambda o, i: Linear(S((E_, o, i // 2), jnp.uint8), S((E_, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
+    byte_view = S((E_, I_, D_ // 2), jnp.uint8)
+    assert not offsets_fit(byte_view) and offsets_fit(S((E_, I_, D_ // 8), jnp.uint32))
+    assert offsets_fit(S((256, 2048, 2048), jnp.uint8))           # V4-Flash's stacks: 1.07e9 bytes
+    with pytest.raises(ValueError, match="wrapping int32 offsets"):
+        check_offsets("moe_gemm_up", byte_view)
+    f = lambda x, w, ids, a, b, c: pallas_triton.moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0, act_quant_sim=True,  # noqa: E731
+                                                          act_quant_block=128, interpret=False)
+    text = lower_for_h200(f, S((n, D_), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
+                          lin(I_, D_), lin(I_, D_), lin(D_, I_))
+    assert text.count("xla.gpu.triton") == 2

@@ -66,6 +66,13 @@ def test_choices_are_reported(models, caplog):
     assert sum("sparse_mqa: kernels=pallas rows=977 chunk=1" in r.getMessage() for r in caplog.records) == 1
     assert "kernels=pallas rows=977 chunk=1 dtype=bfloat16 fmt=None -> pallas" in kernel_choice.choices()["sparse_mqa"]
     assert kernel_choice.choose(cfg.replace(kernels="auto"), "moe_gemm", rows=8, dtype=jnp.bfloat16, fmt="fp4") == "xla"
+    # a cache the Triton lowering cannot address (over 2^31 one-byte elements within 2^32 bytes): XLA, even when
+    # the kernels are asked for — V4.1's 288-byte FP4 rows at 1M entries x 8 slots; 16 slots are past 2^32 bytes
+    rows = lambda slots: jax.ShapeDtypeStruct((slots, 1 << 20, 288), jnp.uint8)  # noqa: E731
+    assert kernel_choice.choose(cfg, "sparse_mqa", rows=8, dtype=jnp.bfloat16, operands=(rows(8),)) == "xla"
+    assert kernel_choice.choose(cfg, "sparse_mqa", rows=8, dtype=jnp.bfloat16, operands=(rows(16),)) == "pallas"
+    assert any(c.endswith("past the int32 offsets of the Triton lowering) -> xla")
+               for c in kernel_choice.choices()["sparse_mqa"])
 
 
 def test_v41_attention_layers_match_xla(test_seed):

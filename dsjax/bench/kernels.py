@@ -130,7 +130,8 @@ def mqa_bytes(args) -> int:
 
 
 def bench_mqa(emit, sweep: bool, smoke: bool = False):
-    cases = [("csa", 2, 256, 64), ("hca", 1, 64, None)] if smoke else [("csa@64k", 32, 16384, 512), ("hca@64k", 32, 512, None), ("csa@64k", 1, 16384, 512),
+    cases = [("csa", 2, 256, 64), ("hca", 1, 64, None)] if smoke else [
+             ("csa@64k", 32, 16384, 512), ("hca@64k", 32, 512, None), ("csa@64k", 1, 16384, 512),
              ("hca@64k", 1, 512, None), ("csa@1M", 1, 262144, 512), ("hca@1M", 1, 8192, None),
              ("hca@1M", 32, 8192, None)]
     # V4.1-Flash (FP8 window rows + FP4 compressed rows): a ratio-2 CSA2 layer at 64k (32,768 entries) and the

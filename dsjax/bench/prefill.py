@@ -179,7 +179,8 @@ def run(args) -> int:
         if len(depths) == 2:
             L1 = min(depths)
             for sch in schedules:
-                t_full = full_model_seconds(cfg, full, row[name(L1, "exact")]["s"], row[name(cfg.n_layers, sch)]["s"], L1)
+                t_deep = row[name(cfg.n_layers, sch)]["s"]
+                t_full = full_model_seconds(cfg, full, row[name(L1, "exact")]["s"], t_deep, L1)
                 flops = n * flops_per_token(full, n / 2)
                 row[full_key(sch)] = {"s": t_full, "tokens_per_s": n / t_full,
                                       "mfu": mfu(flops, t_full) if sch == "exact" else None}

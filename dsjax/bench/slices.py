@@ -36,6 +36,17 @@ V41_FAMILIES = {"v4.1-flash": ("v4.1-flash", (0, 1, 2, 3, 8, 20, 21, 24)),   # f
 V41_SLICE_ENGRAM_ROWS = 1 << 24
 
 
+def _cut_engram(full: ModelConfig, n_layers: int) -> dict:
+    """Config fields of Engram tables cut to ~V41_SLICE_ENGRAM_ROWS rows: hash primes drawn from a smaller base
+    (the rows a table has are its primes' sum), so lookups stay in range; per token the same hashes and rows."""
+    from dsjax.layers.engram import engram_primes
+
+    terms = (full.engram_max_ngram_size - 1) * full.engram_n_heads
+    vocab = min(full.engram_vocab_size, V41_SLICE_ENGRAM_ROWS // terms)
+    primes = engram_primes(n_layers, full.engram_max_ngram_size, full.engram_n_heads, vocab)
+    return dict(engram_vocab_size=vocab, engram_num_embeddings=tuple(int(p.sum()) for p in primes))
+
+
 def slice_config41(layers: int, experts: int, *, family: str = "v4.1-flash") -> ModelConfig:
     """V4.1 with the first `layers` of the family's representative layers (module docstring)."""
     base, picks = V41_FAMILIES[family]
@@ -47,13 +58,12 @@ def slice_config41(layers: int, experts: int, *, family: str = "v4.1-flash") -> 
     picks = picks[:layers]
     at = {full_id: i for i, full_id in enumerate(picks)}
     kept = lambda ids: tuple(at[i] for i in ids if i in at)
-    engram = [(at[i], n) for i, n in zip(full.engram_layer_ids, full.engram_num_embeddings) if i in at]
+    engram = [at[i] for i in full.engram_layer_ids if i in at]
     cfg = preset(base, n_layers=layers, n_routed_experts=experts, vision_n_layers=0,
                  compress_ratios=tuple(full.compress_ratios[i] for i in picks) + full.compress_ratios[full.n_layers:],
                  kv_source_layers=kept(full.kv_source_layers), index_source_layers=kept(full.index_source_layers),
                  candidate_source_layer=at.get(full.candidate_source_layer, -1),
-                 engram_layer_ids=tuple(i for i, _ in engram),
-                 engram_num_embeddings=tuple(min(n, V41_SLICE_ENGRAM_ROWS) for _, n in engram),
+                 engram_layer_ids=tuple(engram), **_cut_engram(full, len(engram)),
                  dspark_target_layer_ids=tuple(range(layers - 3, layers)))
     return cfg.replace(name=f"{family}-slice{layers}x{experts}")
 

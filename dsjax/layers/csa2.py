@@ -202,7 +202,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         assert index_source_of(cfg, layer) >= 0, f"layer {layer} has no index source before it"
         chosen, chosen_ok = shared["topk"]
     if T <= 16 and choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype, fmt="v41-rows",
-                          sharded=active_mesh() is not None) == "pallas":
+                          sharded=active_mesh() is not None, operands=(src.entries,) if compressed else ()) == "pallas":
         src_entries = (src.entries, sparse_mqa.csa_indices(chosen, chosen_ok)) if compressed else (None, None)
         o = kernel_attention(q, w.attn_sink, st.window, kv, src_entries, cfg, start, window_ok)
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new

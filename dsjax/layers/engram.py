@@ -87,6 +87,24 @@ class EngramConstants:
     products_lo: np.ndarray    # uint32 [n_engram_layers, max_ngram, vocab]: low word
 
 
+def engram_primes(n_layers: int, max_ngram: int, heads: int, vocab_size: int) -> np.ndarray:
+    """int64 [n_layers, max_ngram-1, heads]: per layer, per n-gram size, per head, the next unused prime above
+    vocab_size - 1; the search restarts at the base for each n-gram size (spec §3.10 step 3). A layer's table
+    has as many rows as its primes sum to."""
+    seen: set[int] = set()
+    primes = np.zeros((n_layers, max_ngram - 1, heads), np.int64)
+    for li in range(n_layers):
+        for n in range(max_ngram - 1):
+            current = vocab_size - 1
+            for j in range(heads):
+                current += 1
+                while not _is_prime(current) or current in seen:
+                    current += 1
+                seen.add(current)
+                primes[li, n, j] = current
+    return primes
+
+
 @functools.lru_cache(maxsize=8)
 def engram_constants(cfg: ModelConfig) -> EngramConstants:
     layers, n_max, heads = cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads
@@ -97,19 +115,7 @@ def engram_constants(cfg: ModelConfig) -> EngramConstants:
     if cfg.vocab_size > len(full_map):
         raise ConfigError(f"{cfg.name}: vocab_size {cfg.vocab_size} exceeds the tokenizer's {len(full_map)} ids")
     token_map = full_map[: cfg.vocab_size].astype(np.int64)
-    # primes: per layer, per n-gram size, per head, the next unused prime above engram_vocab_size - 1;
-    # the search restarts at the base for each n-gram size (spec §3.10 step 3)
-    seen: set[int] = set()
-    primes = np.zeros((len(layers), n_max - 1, heads), np.int64)
-    for li in range(len(layers)):
-        for n in range(n_max - 1):
-            current = cfg.engram_vocab_size - 1
-            for j in range(heads):
-                current += 1
-                while not _is_prime(current) or current in seen:
-                    current += 1
-                seen.add(current)
-                primes[li, n, j] = current
+    primes = engram_primes(len(layers), n_max, heads, cfg.engram_vocab_size)
     if primes.size and primes.max() >= 1 << 24:
         raise ConfigError(f"{cfg.name}: Engram prime {int(primes.max())} ≥ 2^24; the uint32 hash needs smaller primes")
     flat = primes.reshape(len(layers), -1)

@@ -21,7 +21,7 @@ def pick_entries(x, iq, w, cfg, index_entries, q_pos, ratio: int, visible):
     """The CSA layer's top-k compressed entries per query (indices, valid): the indexer kernel on the stored
     index-key rows when `dsjax.kernel_choice` picks it, else the model's XLA scoring + top-k."""
     B, T = q_pos.shape
-    if choose(cfg, "indexer_topk", rows=B * T, chunk=T, dtype=x.dtype) == "pallas":
+    if choose(cfg, "indexer_topk", rows=B * T, chunk=T, dtype=x.dtype, operands=(index_entries,)) == "pallas":
         keys = index_entries if kv_rows.index_rows_compact(cfg) else index_entries.astype(x.dtype)
         return indexer_topk(iq, index_weights(x, w, cfg), keys, (q_pos + 1) // ratio, cfg.index_topk,
                             row_format=IndexRowFormat.from_config(cfg), implementation="pallas")

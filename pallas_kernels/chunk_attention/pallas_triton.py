@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsjax.kernels.chunk_attention.api import NEVER
-from dsjax.kernels.common import (flash_init, flash_scores, flash_step, gather, load_rows, pad_axis, row_width,
-                                  triton_interpret, triton_params)
+from dsjax.kernels.common import (check_offsets, flash_init, flash_scores, flash_step, gather, load_rows, pad_axis,
+                                  row_width, triton_interpret, triton_params)
 from dsjax.kernels.sparse_mqa import pallas_triton as sparse_pallas
 from dsjax.kernels.sparse_mqa.xla import combine
 
@@ -100,6 +100,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
     out_shape = ((jax.ShapeDtypeStruct((B, R, d), dt),) if finalize else
                  (jax.ShapeDtypeStruct((B, R), f32), jax.ShapeDtypeStruct((B, R), f32),
                   jax.ShapeDtypeStruct((B, R, d), f32)))
+    check_offsets("chunk_attention", q2, row_pos, row_sink, kv, lo, hi, ranges)
     outs = pl.pallas_call(
         body, out_shape=out_shape, grid=(B, P),
         compiler_params=triton_params(num_warps, num_stages),

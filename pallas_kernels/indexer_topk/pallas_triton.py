@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import (dot_nt, dot_tile, e8m0_to_f32, fp4_pieces, gather, iota, pad_axis, round_bf,
-                                  row_width, triton_interpret, triton_params)
+from dsjax.kernels.common import (check_offsets, dot_nt, dot_tile, e8m0_to_f32, fp4_pieces, gather, iota, pad_axis,
+                                  round_bf, row_width, triton_interpret, triton_params)
 from dsjax.kernels.indexer_topk.xla import topk_lower_index
 
 
@@ -68,6 +68,7 @@ def index_scores(q, weights, keys, n_visible, row_format, *, block_n: int = 128,
         def _skip():
             out_ref[r, cols_out] = jnp.full((block_n,), -jnp.inf, jnp.float32)
 
+    check_offsets("indexer_topk", q2, w2, nv, keys)
     scores = pl.pallas_call(
         body, out_shape=jax.ShapeDtypeStruct((B * Q, n_tiles * block_n), jnp.float32), grid=(B * Q, n_tiles),
         compiler_params=triton_params(num_warps, num_stages), interpret=triton_interpret(interpret),

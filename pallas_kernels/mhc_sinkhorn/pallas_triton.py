@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import gather, iota, pad_axis, triton_interpret, triton_params
+from dsjax.kernels.common import check_offsets, gather, iota, pad_axis, triton_interpret, triton_params
 
 
 def _sigmoid(x):
@@ -59,6 +59,7 @@ def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float, block_rows: 
                 comb_ref[r, jnp.int32(j * n + k)] = c[j][k]
 
     f32 = jnp.float32
+    check_offsets("mhc_sinkhorn", m2)
     pre, post, comb = pl.pallas_call(
         body,
         out_shape=(jax.ShapeDtypeStruct((R, n), f32), jax.ShapeDtypeStruct((R, n), f32),

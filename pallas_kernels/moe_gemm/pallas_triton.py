@@ -4,7 +4,8 @@ Outside the kernels (XLA, small): each token's picks sorted by expert, repeated 
 (picks held by another expert-parallel shard) dropped, the rest sorted by expert and cut into tiles of at most
 `block_m` pairs of one expert (`tile_map`). Two grouped-GEMM kernels (`_grouped_matmul`) then read each tile's
 expert weights once, straight from the stored format (bf16, FP8 e4m3 + ue8m0 blocks, packed FP4 + per-32 ue8m0),
-codes converted in registers and the power-of-two block scale applied to the products (`common.weight_pieces`):
+codes converted in registers, the power-of-two block scale applied to the products (FP8) or to the decoded values
+(FP4, read as 32-bit words of 8 codes) (`common.weight_pieces`):
 
 - up: grid (tiles, I / block_i, splits of D): x rows gathered by token, x · W1ᵀ and x · W3ᵀ -> fp32 partials;
 - down: grid (tiles, D / block_d, splits of I): h · W2ᵀ -> fp32 partials.
@@ -24,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsjax import quant
-from dsjax.kernels.common import dot_nt, gather, iota, round_bf, triton_interpret, triton_params, weight_pieces
+from dsjax.kernels.common import (check_offsets, dot_nt, fp4_words, gather, iota, round_bf, triton_interpret,
+                                  triton_params, weight_pieces)
 from dsjax.kernels.moe_gemm.xla import merged_pair_weights
 from dsjax.layers import moe as _moe
 from dsjax.numerics import sum_in_order
@@ -80,7 +82,9 @@ def _refs(lin, refs):
 
 
 def _stored(lin):
-    return [lin.weight] + ([lin.scale] if lin.fmt in ("fp8", "fp4") else [])
+    """The arrays a kernel reads: FP4 codes as words (`common.fp4_words`), then the scales if any."""
+    weight = fp4_words(lin.weight) if lin.fmt == "fp4" else lin.weight
+    return [weight] + ([lin.scale] if lin.fmt in ("fp8", "fp4") else [])
 
 
 def k_splits(programs: int, chunks: int, target: int) -> int:
@@ -124,10 +128,12 @@ def _grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: 
                 plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
 
     index = [] if row_index is None else [row_index]
+    stored = [a for l in lin_list for a in _stored(l)]
+    check_offsets(name, tiles, *index, inp, *stored)
     return pl.pallas_call(
         body, out_shape=tuple(jax.ShapeDtypeStruct((ks, P_pad, n_out), jnp.float32) for _ in lin_list),
         grid=(T, n_out // block_o, ks), compiler_params=params, interpret=interpret, name=name,
-    )(tiles, *index, inp, *[a for l in lin_list for a in _stored(l)])
+    )(tiles, *index, inp, *stored)
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import (dot_tile, flash_init, flash_scores, flash_step, main_row_pieces, pad_axis,
-                                  piece_width, row_width, triton_interpret, triton_params)
+from dsjax.kernels.common import (check_offsets, dot_tile, flash_init, flash_scores, flash_step, main_row_pieces,
+                                  pad_axis, piece_width, row_width, triton_interpret, triton_params)
 from dsjax.kernels.sparse_mqa.xla import combine
 
 TARGET_PROGRAMS = 4 * 132   # enough programs to fill an H200's 132 SMs a few times over
@@ -66,6 +66,7 @@ def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: in
             acc_ref[r, s, heads, pl.ds(c, width)] = a
 
     f32 = jnp.float32
+    check_offsets("sparse_mqa", q2, kv, idx2)
     m, l, acc = pl.pallas_call(
         body,
         out_shape=(jax.ShapeDtypeStruct((B * Q, S, hp), f32), jax.ShapeDtypeStruct((B * Q, S, hp), f32),
