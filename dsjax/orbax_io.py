@@ -10,7 +10,6 @@ import json
 import os
 
 import jax
-import orbax.checkpoint as ocp
 
 from dsjax.config import ModelConfig
 from dsjax.errors import CheckpointError
@@ -28,6 +27,8 @@ def save(path: str, params, cfg: ModelConfig) -> None:
     if os.path.exists(path) and os.listdir(path):
         raise CheckpointError(f"{path}: refusing to overwrite a non-empty directory")
     os.makedirs(path, exist_ok=True)
+    import orbax.checkpoint as ocp  # here, not at import: loading safetensors never needs orbax
+
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "params"), params)
     with open(os.path.join(path, MARKER), "w") as f:
@@ -49,6 +50,8 @@ def restore_params(path: str, cfg: ModelConfig, shardings=None):
     target = abstract(cfg)
     if shardings is not None:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
+    import orbax.checkpoint as ocp  # here, not at import: loading safetensors never needs orbax
+
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.join(os.path.abspath(path), "params"), target)
     return jax.tree.map(lambda x: x, params)

@@ -36,6 +36,12 @@ def test_flops_per_token_match_the_spec_estimates():
     cfg = preset("v4-flash")
     assert 24e9 < roofline.flops_per_token(cfg, 4096) < 32e9
     assert 70e9 < roofline.flops_per_token(cfg, 2 ** 19) < 95e9
+    # V4.1-Flash: ~13B active weights (26 GFLOP) + attention over window + top-512 picks at every compressed layer
+    # + the indexer at its 8 scoring layers; the Engram tables are lookups (a 2^24-row slice table would add 8.6)
+    v41 = preset("v4.1-flash")
+    assert 28e9 < roofline.flops_per_token(v41, 4096) < 40e9
+    assert roofline.flops_per_token(v41, 2 ** 19) < 2 * roofline.flops_per_token(v41, 4096)
+    assert roofline.flops_per_token(slice_config(5, 384, family="v4.1-flash"), 4096) < 7e9
 
 
 def test_floor_adds_all_reduces_only_with_tensor_parallelism():

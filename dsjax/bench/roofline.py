@@ -185,12 +185,16 @@ def flops_per_token(cfg: ModelConfig, ctx: float) -> float:
         per_expert = weight_elems((moe.w1, moe.w2, moe.w3)) / cfg.n_routed_experts
         mults += weight_elems(block) - weight_elems((moe.w1, moe.w2, moe.w3, moe.tid2eid))
         mults += cfg.n_activated_experts * per_expert
+        if getattr(block, "engram", None) is not None:   # V4.1 Engram: a table lookup (rows gathered), no matmul
+            mults -= weight_elems(block.engram.embed)
         ratio, kind = cfg.layer_ratio(layer), cfg.layer_kind(layer)
         entries = min(ctx, cfg.window_size)
         if ratio:
             comp = ctx / ratio
-            entries += min(cfg.index_topk, comp) if kind == "csa" else comp
-            if kind == "csa":
+            picks = kind in ("csa", "csa2")          # V4.1's CSA2: top-k picks at every compressed layer
+            entries += min(cfg.index_topk, comp) if picks else comp
+            scores = kind == "csa" or (kind == "csa2" and layer in cfg.index_source_layers)  # Reuse layers don't
+            if scores:
                 mults += comp * cfg.index_n_heads * cfg.index_head_dim
         mults += 2 * H * d * entries  # scores and values
     mults += cfg.vocab_size * cfg.dim
