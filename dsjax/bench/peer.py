@@ -24,7 +24,9 @@ def add_args(p) -> None:
                    help="routed experts per layer (default 32: transformers keeps bf16 weights, 50 MB per expert)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens (default 1024)")
     p.add_argument("--decode", type=int, default=32, help="decode steps (default 32)")
-    p.add_argument("--kernels", default="xla,auto", help="dsjax settings to time (default xla,auto)")
+    p.add_argument("--kernels", default="xla,auto",
+                   help="dsjax settings to time, each KERNELS[:NUMERICS] (default xla,auto; numerics default "
+                        "reference-bf16; e.g. xla:transformers = fp32 compute, no FP8 rounding: the logit check)")
     p.add_argument("--model", default=None,
                    help="a preset instead of the V4-Flash slice (e.g. tiny-v4, for a CPU smoke run)")
     p.add_argument("--peer-python", default=sys.executable,
@@ -65,9 +67,10 @@ def run(args) -> int:
     ids = np.load(os.path.join(work, "prompt_ids.npy"))
     peer_logits = np.load(os.path.join(work, "peer_last_logits.npy"))
     ours = []
-    for mode in args.kernels.split(","):
-        model = dsjax.load(peer["checkpoint"], kernels=mode, max_seq_len=args.prompt_len + 2 * args.decode + 256,
-                           max_batch=1)
+    for spec in args.kernels.split(","):
+        mode, _, numerics = spec.partition(":")
+        model = dsjax.load(peer["checkpoint"], kernels=mode, numerics=numerics or "reference-bf16",
+                           max_seq_len=args.prompt_len + 2 * args.decode + 256, max_batch=1)
         pre_s, _ = prefill_seconds(model, args.prompt_len, min(args.prompt_len, 1024))
         dec = time_loop(model, batch=1, ctx=args.prompt_len, k=0, steps=args.decode,
                         steps_per_dispatch=args.decode)
@@ -84,8 +87,9 @@ def run(args) -> int:
     write_report("peer", None, args.out, config=cfg.name, weights="bf16 (transformers layout), random",
                  peer=peer, dsjax=ours,
                  note="decode: batch 1, greedy; transformers with its own cache (eager, no compile path), dsjax "
-                      "inside its on-device loop (steps per dispatch = all steps). Logit differences: two engines in "
-                      "bf16 (dsjax's reference-bf16 numerics also round KV to FP8, as DeepSeek's reference does).")
+                      "inside its on-device loop (steps per dispatch = all steps). Logit differences: transformers "
+                      "computes in bf16 without FP8 rounding; dsjax's reference-bf16 numerics round KV and "
+                      "activations to FP8 as DeepSeek's reference does, its transformers numerics compute in fp32.")
     return 0
 
 
