@@ -19,11 +19,11 @@ _CHOSEN: dict[tuple, str] = {}
 
 
 def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int) -> bool:
-    """H200, jax 0.11.2, 2026-11-30 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
-    if op == "sparse_mqa" and fmt == "v41-rows":   # V4.1's FP4 / FP8 rows: not timed on the H200 yet
-        return False
-    if op == "sparse_mqa":      # 1.43-1.47x at 32 slots x 6 queries; 0.7-1.0x at 1 slot. Prefill shapes were not
-        return rows >= 32 and chunk <= 16   # timed alone, and a 1,024-token slice prefill ran slower with kernels
+    """H200, jax 0.11.2, 2026-11-30 / 12-01 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
+    if op == "sparse_mqa":      # V4 rows: 1.37-1.46x at 32 slots x 6 queries, 0.7-0.95x at 1 slot; V4.1's FP8
+        # window + FP4 rows: 1.10-1.12x at 32 slots, 0.48-0.73x at 1. Prefill shapes were not timed alone, and a
+        # 1,024-token slice prefill ran slower with kernels
+        return rows >= 32 and chunk <= 16
     if op == "moe_gemm":        # FP4: 1.07-1.6x at 1-8 tokens, 4.2-7.2x at 256-1024; bf16/FP8: 2.8-3.2x at 8, slower at 1
         return fmt == "fp4" or rows >= 8
     if op == "indexer_topk":    # 1M context: 1.30x at 1 slot x 6 queries, 0.94x at 32 slots
