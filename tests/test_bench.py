@@ -213,15 +213,25 @@ def test_v41_slices_keep_valid_csa2_roles_and_read_engram_rows_not_tables():
             slice_config(*parse_slice(bad)[1:], family="v4.1-flash")
 
 
-def test_prefill_extrapolates_v41_per_layer_kind_and_fits_a_nonnegative_projection():
-    """V4.1: the shallow depth is the slice's 5 encoder layers, the deep one adds 3 decoder layers; the full model
-    has 20 of each. V4: linear in layers. The 1M fit never turns a growing cost negative."""
-    from dsjax.bench.prefill import full_model_seconds, nonnegative_fit
+def test_full_depth_extrapolates_v41_per_layer_kind_and_the_1m_fit_stays_nonnegative():
+    """V4: linear in layers. V4.1 (slice: 5 encoder + 3 decoder layers; full: 20 + 20): three depths separate
+    the encoder layer from fixed costs; two (prefill) scale them together (an upper bound). The 1M fit never
+    turns a growing cost negative."""
+    from dsjax.bench.prefill import nonnegative_fit
+    from dsjax.bench.slices import full_depth, proxy_depths
 
     v41 = slice_config(*parse_slice("slice:v4.1-flash")[1:], family="v4.1-flash")
-    assert full_model_seconds(v41, preset("v4.1-flash"), 5.0, 11.0, 5) == pytest.approx(20 * 1.0 + 20 * 2.0)
+    assert proxy_depths(v41, 6) == [3, 5, 8]
+    fixed, enc, dec = 4.0, 1.0, 2.0          # t(L) = fixed + L_enc * enc + L_dec * dec
+    t = {3: fixed + 3 * enc, 5: fixed + 5 * enc, 8: fixed + 5 * enc + 3 * dec}
+    fit = full_depth(v41, t)
+    assert fit["full"] == pytest.approx(fixed + 20 * enc + 20 * dec)
+    assert fit["per_layer"] == pytest.approx({"encoder": enc, "decoder": dec})
+    two = full_depth(v41, {5: 5.0, 8: 11.0})
+    assert two["full"] == pytest.approx(20 * 1.0 + 20 * 2.0) and "upper bound" in two["method"]
     v4 = slice_config(4, 16, family="v4-flash", pattern="model")
-    assert full_model_seconds(v4, preset("v4-flash"), 2.0, 4.0, 2) == pytest.approx(4.0 + 39 * 1.0)
+    assert proxy_depths(v4, 2) == [2, 4]
+    assert full_depth(v4, {2: 2.0, 4: 4.0})["full"] == pytest.approx(4.0 + 39 * 1.0)
     S = np.array([8192.0, 16384, 32768])
     a, b = nonnegative_fit(np.stack([S, S * S], 1), 2e-5 * S + 1e-11 * S * S)
     assert a == pytest.approx(2e-5) and b == pytest.approx(1e-11)
@@ -242,7 +252,20 @@ def test_prefill_schedules_run_on_a_v41_slice():
         assert 0 < secs and 0 < first
     with pytest.raises(ConfigError, match="encoder layers"):
         shallower(model, 5)
-    assert shallower(model, 4).cfg.n_layers == 4
+    assert shallower(model, 4).cfg.n_layers == 4 and shallower(model, 3).cfg.n_layers == 3
     from dsjax.bench.prefill import schedule_steps
     with pytest.raises(ConfigError, match="exact schedule only"):
         schedule_steps(slice_config(2, 8, family="tiny-v4", pattern="model"), "replay", 40)
+
+
+def test_loop_rig_times_dspark_on_a_v41_slice():
+    """V4.1 slices draft with DSpark in the timed loop (`bench tp`, `ablate`, `repro`'s extrapolation): forced
+    acceptance commits k + 1 tokens a step; the floor counts DSpark's stages and head."""
+    from dsjax.bench.slices import slice_model
+
+    model = slice_model("slice:tiny-v41:8", max_seq_len=256)
+    r = time_loop(model, batch=1, ctx=40, k=2, steps=2, steps_per_dispatch=1)
+    assert r["steps"] == 2 and r["acceptance"] == "simulated" and r["tokens_per_step_per_row"] == 3.0
+    b0 = roofline.step_bytes(model.cfg, batch=1, T=3, ctx=40)
+    b2 = roofline.step_bytes(model.cfg, batch=1, T=3, ctx=40, k_draft=2)
+    assert b2["draft"] > roofline._bytes(roofline.describe(model.cfg).head) and b0["draft"] == 0

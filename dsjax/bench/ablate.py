@@ -102,32 +102,33 @@ def point(model, roof, *, batch, context, k, alpha, steps_per_dispatch, steps, k
 
 def proxy(model, roof, args) -> dict:
     """Per-layer decode (k=0) and verify (baseline k) step time from the slice and its first L - proxy_layers
-    layers (same weights), and the full model's step extrapolated, beside the full model's roofline."""
+    layers (same weights; V4.1: 3, its encoder layers and all, for a per-kind fit), and the full model's step
+    extrapolated, beside the full model's roofline."""
     from dsjax.bench.roofline import floor_ms, step_bytes
-    from dsjax.bench.slices import extrapolate_depth, full_config, shallower
+    from dsjax.bench.slices import full_config, full_depth, proxy_depths, shallower
 
     cfg = model.cfg
-    L2 = cfg.n_layers
-    L1 = L2 - args.proxy_layers
-    shallow = shallower(model, L1)
+    depths = proxy_depths(cfg, cfg.n_layers - args.proxy_layers)
+    models = {L: model if L == cfg.n_layers else shallower(model, L) for L in depths}
     full = full_config(cfg)
+    drafter = "DSpark" if cfg.family == "v4.1" else "MTP"
     rows = []
     for k in sorted({0, args.k}):
-        t = {}
-        for L, m in ((L1, shallow), (L2, model)):
-            t[L] = point(m, roof, batch=args.batch, context=args.context, k=k, alpha=args.alpha,
-                         steps_per_dispatch=args.steps_per_dispatch, steps=args.steps, kernels=args.kernels)
-        per_layer, ms_full = extrapolate_depth(t[L1]["ms_per_step"], t[L2]["ms_per_step"], L1, L2, full.n_layers)
+        t = {L: point(m, roof, batch=args.batch, context=args.context, k=k, alpha=args.alpha,
+                      steps_per_dispatch=args.steps_per_dispatch, steps=args.steps, kernels=args.kernels)["ms_per_step"]
+             for L, m in models.items()}
+        fit = full_depth(cfg, t)
+        ms_full = fit["full"]
         b = step_bytes(full, batch=args.batch, T=k + 1, ctx=args.context, k_draft=k)
         fl = floor_ms(b["total"], roof.get("copy_GBps"))
         al = acceptance_length(k, args.alpha) if k else 1.0
-        rows.append({"k": k, "step": "decode" if k == 0 else f"verify {k + 1} (MTP draft k={k})",
-                     "slice_ms": {str(L1): t[L1]["ms_per_step"], str(L2): t[L2]["ms_per_step"]},
-                     "per_layer_ms": per_layer, "full_ms_extrapolated": ms_full, "full_floor_ms": fl,
+        rows.append({"k": k, "step": "decode" if k == 0 else f"verify {k + 1} ({drafter} draft k={k})",
+                     "slice_ms": {str(L): v for L, v in t.items()},
+                     "per_layer_ms": fit["per_layer"], "full_ms_extrapolated": ms_full, "full_floor_ms": fl,
                      "full_bytes": b, "fraction_of_floor": fl / ms_full if fl else None,
                      "acceptance_length": al, "acceptance": "simulated" if k else None,
                      "full_tokens_per_s_extrapolated": 1e3 * al * args.batch / ms_full})
-    return {"label": "layer-slice proxy: full-model figures extrapolated (t(L) linear in L)", "layers": [L1, L2],
+    return {"label": f"layer-slice proxy: full-model figures extrapolated ({fit['method']})", "layers": depths,
             "full_layers": full.n_layers, "rows": rows}
 
 
@@ -195,13 +196,15 @@ def write_tables_and_plots(out_dir: str) -> str:
                   f"{d['model']}; copy {_fmt(roof.get('copy_GBps'), 0)} GB/s; baseline {d['baseline']}", ""]
         if sweep == "proxy":
             p = d["proxy"]
-            lines += [f"{p['label']}; slices of {p['layers'][0]} and {p['layers'][1]} layers, full model "
-                      f"{p['full_layers']} layers.", "",
-                      "| step | slice ms (L1 / L2) | per layer ms | full step ms (extrapolated) | full floor ms | "
-                      "of floor | full tokens/s (extrapolated) |", "|---|---|---|---|---|---|---|"]
+            depths = " / ".join(str(L) for L in p["layers"])
+            lines += [f"{p['label']}; slices of {depths} layers, full model {p['full_layers']} layers.", "",
+                      f"| step | slice ms ({depths} layers) | per layer ms | full step ms (extrapolated) | "
+                      "full floor ms | of floor | full tokens/s (extrapolated) |", "|---|---|---|---|---|---|---|"]
             for r in p["rows"]:
-                s = r["slice_ms"]
-                lines.append(f"| {r['step']} | {' / '.join(_fmt(v) for v in s.values())} | {_fmt(r['per_layer_ms'], 3)}"
+                s, per = r["slice_ms"], r["per_layer_ms"]
+                per = " / ".join(f"{kind} {_fmt(v, 3)}" for kind, v in per.items()) if isinstance(per, dict) \
+                    else _fmt(per, 3)
+                lines.append(f"| {r['step']} | {' / '.join(_fmt(v) for v in s.values())} | {per}"
                              f" | {_fmt(r['full_ms_extrapolated'])} | {_fmt(r['full_floor_ms'])} | "
                              f"{_fmt(100 * r['fraction_of_floor'], 0) + '%' if r['fraction_of_floor'] else '—'} | "
                              f"{_fmt(r['full_tokens_per_s_extrapolated'], 0)} |")

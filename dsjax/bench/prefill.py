@@ -105,20 +105,6 @@ def prefill_seconds(model, length: int, chunk: int, seed: int = 0, schedule: str
     return time.perf_counter() - t0, first
 
 
-def full_model_seconds(cfg, full, t_shallow: float, t_deep: float, shallow: int) -> float:
-    """The full model's prefill time from the slice timed at two depths. V4: linear in the layers (the deeper
-    slice adds layers the full model repeats). V4.1: the shallow depth is the slice's encoder layers, the rest
-    its decoder layers; each kind's per-layer time x the full model's count of that kind."""
-    from dsjax.bench.slices import extrapolate_depth
-
-    if cfg.family != "v4.1":
-        return extrapolate_depth(t_shallow, t_deep, shallow, cfg.n_layers, full.n_layers)[1]
-    from dsjax.v41_replay import decoder_start
-
-    E_full = decoder_start(full)
-    return t_shallow * E_full / shallow + (t_deep - t_shallow) * (full.n_layers - E_full) / (cfg.n_layers - shallow)
-
-
 def nonnegative_fit(X, y) -> tuple[float, float]:
     """Least squares of y ≈ X @ (a, b) with a, b ≥ 0 (two unknowns: the best of the unconstrained fit, if it is
     non-negative, and the two one-term fits) — timing noise must not turn a growing cost into a negative one."""
@@ -147,7 +133,7 @@ def one_million(rows, key: str, full_name: str) -> dict:
 def run(args) -> int:
     from dsjax.bench.report import write_report
     from dsjax.bench.roofline import flops_per_token, torch_roofline
-    from dsjax.bench.slices import full_config, shallower, slice_model
+    from dsjax.bench.slices import full_config, full_depth, shallower, slice_model
 
     roof = torch_roofline()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -160,6 +146,12 @@ def run(args) -> int:
     depths = {cfg.n_layers: model}
     if args.proxy_layers:
         L1 = cfg.n_layers - args.proxy_layers
+        if cfg.family == "v4.1":
+            from dsjax.v41_replay import decoder_start
+
+            if L1 != decoder_start(cfg):
+                raise ConfigError(f"--proxy-layers {args.proxy_layers}: a V4.1 slice's prefill proxy drops exactly "
+                                  f"its {cfg.n_layers - decoder_start(cfg)} decoder layers")
         depths[L1] = shallower(model, L1)
     peak = roof.get("matmul_TFLOPs")
     mfu = lambda flops, secs: flops / secs / (peak * 1e12) if peak else None  # noqa: E731
@@ -179,8 +171,7 @@ def run(args) -> int:
         if len(depths) == 2:
             L1 = min(depths)
             for sch in schedules:
-                t_deep = row[name(cfg.n_layers, sch)]["s"]
-                t_full = full_model_seconds(cfg, full, row[name(L1, "exact")]["s"], t_deep, L1)
+                t_full = full_depth(cfg, {L1: row[name(L1, "exact")]["s"], cfg.n_layers: row[name(cfg.n_layers, sch)]["s"]})["full"]
                 flops = n * flops_per_token(full, n / 2)
                 row[full_key(sch)] = {"s": t_full, "tokens_per_s": n / t_full,
                                       "mfu": mfu(flops, t_full) if sch == "exact" else None}

@@ -26,7 +26,8 @@ def add_args(p) -> None:
                         "GPU), or a checkpoint directory / preset for real acceptance")
     p.add_argument("--runs", type=int, default=6, help="timed runs after the warm-up (default 6)")
     p.add_argument("--max-new-tokens", type=int, default=5142, help="tokens per run (default 5142, the rival's)")
-    p.add_argument("--speculative", choices=["mtp", "none"], default="mtp", help="draft with MTP (default) or not")
+    p.add_argument("--speculative", choices=["auto", "mtp", "dspark", "none"], default="auto",
+                   help="draft with the model's own drafter (auto: MTP for V4, DSpark for V4.1), or none")
     p.add_argument("--draft-tokens", type=int, default=5, help="drafts per step (default 5: verify blocks of 6)")
     p.add_argument("--simulated-acceptance", type=float, default=None,
                    help="force this mean acceptance length (bonus included). Default: 5.6 on a slice, real "
@@ -37,7 +38,8 @@ def add_args(p) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"], help="op implementations")
     p.add_argument("--extrapolate-from", type=int, default=4,
                    help="slices only: also time the slice's first N layers; the per-layer difference extrapolates "
-                        "the full model's step (default 4; 0 = skip)")
+                        "the full model's step (default 4; 0 = skip; V4.1 slices always use 3, their encoder "
+                        "layers and all, for a per-kind fit)")
     p.add_argument("--out", default=None, help="write the JSON report here")
 
 
@@ -91,7 +93,8 @@ def run(args, model=None) -> int:
     family = "v4.1" if cfg.family == "v4.1" else "v4"
     ids = encode_messages_to_ids([{"role": "user", "content": PROMPT}], family=family, thinking=False,
                                  tokenizer=load_tokenizer(family))
-    spec = args.speculative == "mtp"
+    kind = args.speculative if args.speculative != "auto" else ("dspark" if cfg.family == "v4.1" else "mtp")
+    spec = kind != "none"
     sim = args.simulated_acceptance if args.simulated_acceptance is not None else (5.6 if is_slice else None)
     ignore_eos = is_slice if args.ignore_eos is None else args.ignore_eos
     from dsjax.bench.step_loop import simulated_pattern
@@ -99,12 +102,12 @@ def run(args, model=None) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=() if ignore_eos else (cfg.eos_token_id,),
               steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=256)
     if spec:
-        kw.update(speculative="mtp", num_draft_tokens=args.draft_tokens)
+        kw.update(speculative=kind, num_draft_tokens=args.draft_tokens)
         if sim is not None:
             kw["forced_acceptance"] = simulated_pattern(sim, args.draft_tokens)
     opts = GenerateOptions(**kw)
     print(f"model: {model.source}\nprompt: {len(ids)} tokens; {args.runs} runs + 1 warm-up; "
-          f"{'MTP k=' + str(args.draft_tokens) if spec else 'no speculation'}"
+          f"{kind.upper() + ' k=' + str(args.draft_tokens) if spec else 'no speculation'}"
           f"{f', simulated acceptance {sim}' if spec and sim is not None else ''}", file=sys.stderr)
     runs = []
     for i in range(args.runs + 1):
@@ -152,27 +155,25 @@ def _acceptance(timed, k: int, *, simulated: bool) -> dict:
 
 
 def extrapolate(model, args, acceptance: float | None) -> dict:
-    """Full-depth step time from the slice at two depths (same weights: the shallower one is a prefix), at the
-    run's mean context; tokens/s = tokens per step / extrapolated step. Labelled: an extrapolation."""
-    from dsjax.bench.slices import extrapolate_depth, full_config, shallower
+    """Full-depth step time from the slice at two depths (V4.1: three; same weights: the shallower ones are
+    prefixes), at the run's mean context; tokens/s = tokens per step / extrapolated step. Labelled: an
+    extrapolation."""
+    from dsjax.bench.slices import full_config, full_depth, proxy_depths, shallower
     from dsjax.bench.step_loop import time_loop
 
     cfg = model.cfg
-    L1, L2 = args.extrapolate_from, cfg.n_layers
-    k = args.draft_tokens if args.speculative == "mtp" else 0
+    k = args.draft_tokens if args.speculative != "none" else 0
     ctx = 256 + args.max_new_tokens // 2
-    shallow = shallower(model, L1)
-    t = {L: time_loop(m, batch=1, ctx=ctx, k=k, acceptance_length=acceptance, steps=128,
-                      steps_per_dispatch=args.steps_per_dispatch)["ms_per_step"]
-         for L, m in ((L1, shallow), (L2, model))}
-    full = full_config(cfg)
-    per_layer, step = extrapolate_depth(t[L1], t[L2], L1, L2, full.n_layers)
-    tokens_per_step = acceptance if (k and acceptance) else 1.0
+    depths = proxy_depths(cfg, args.extrapolate_from)
+    t = {L: time_loop(model if L == cfg.n_layers else shallower(model, L), batch=1, ctx=ctx, k=k,
+                      acceptance_length=acceptance, steps=128, steps_per_dispatch=args.steps_per_dispatch)["ms_per_step"]
+         for L in depths}
+    fit = full_depth(cfg, t)
+    tokens_per_step = min(acceptance, k + 1) if (k and acceptance) else 1.0   # forcing caps at k drafts + bonus
     return {"label": "extrapolated from a layer slice (random weights)", "context": ctx,
-            "slice_ms_per_step": t, "per_layer_ms": per_layer, "layers": full.n_layers,
-            "ms_per_step": step, "tokens_per_step": tokens_per_step, "tokens_per_s": 1e3 * tokens_per_step / step,
-            "method": f"t(full) = t({L2}) + ({full.n_layers} - {L2}) x (t({L2}) - t({L1})) / {L2 - L1}; "
-                      "the layers past the slice repeat its CSA/HCA pairs"}
+            "slice_ms_per_step": t, "per_layer_ms": fit["per_layer"], "layers": full_config(cfg).n_layers,
+            "ms_per_step": fit["full"], "tokens_per_step": tokens_per_step,
+            "tokens_per_s": 1e3 * tokens_per_step / fit["full"], "method": fit["method"]}
 
 
 if __name__ == "__main__":

@@ -125,8 +125,8 @@ def _engram_bytes(cfg: ModelConfig, block, n_tokens: int) -> tuple[int, float]:
 
 def step_bytes(cfg: ModelConfig, *, batch: int, T: int, ctx: int, k_draft: int = 0) -> dict:
     """Bytes one step must read: the target forward over `batch` x `T` tokens (verify: T = k+1), its KV at
-    context `ctx`, and — with `k_draft` > 0 — the MTP draft (a catch-up chunk of up to k+1 positions, then
-    k-1 chained single-token steps, each with the LM head)."""
+    context `ctx`, and — with `k_draft` > 0 — the draft: V4's MTP (a catch-up chunk of up to k+1 positions, then
+    k-1 chained single-token steps, each with the LM head) or V4.1's DSpark (each stage once over its block)."""
     tree = describe(cfg)
     n = batch * T
     dense = routed = kv = 0.0
@@ -138,7 +138,15 @@ def step_bytes(cfg: ModelConfig, *, batch: int, T: int, ctx: int, k_draft: int =
         kv += kv_read_bytes(cfg, layer, ctx, batch, T)
     head = _bytes(tree.head) + _bytes(tree.norm) + _bytes(tree.hc_head) + n * cfg.dim * 2  # + embedding rows
     draft = 0.0
-    if k_draft and tree.mtp:
+    if k_draft and tree.mtp and cfg.family == "v4.1":
+        # DSpark: every stage once over the block's S positions (its own experts, top-k of them), the head once
+        S = batch * cfg.dspark_block_size
+        for m in tree.mtp:
+            rest, per_expert = _routed(m.block.ffn)
+            draft += _bytes(m) - _bytes(m.block.ffn) + rest + per_expert * unique_experts(
+                cfg, S, cfg.dspark_n_routed_experts, cfg.dspark_n_activated_experts)
+        draft += _bytes(tree.head)
+    elif k_draft and tree.mtp:
         m = tree.mtp[0]
         rest, per_expert = _routed(m.block.ffn)
         mtp_dense = _bytes(m) - _bytes(m.block.ffn) + rest

@@ -156,10 +156,53 @@ def extrapolate_depth(t_shallow: float, t_deep: float, shallow: int, deep: int, 
     return per_layer, t_deep + (full - deep) * per_layer
 
 
+def proxy_depths(cfg: ModelConfig, shallow: int) -> list[int]:
+    """The depths a slice is timed at to extrapolate the full model: V4 `shallow` and all; V4.1 three layers,
+    the encoder layers and all (a per-kind fit needs the encoder layer's time apart from the fixed costs)."""
+    if cfg.family != "v4.1":
+        return [shallow, cfg.n_layers]
+    from dsjax.v41_replay import decoder_start
+
+    return sorted({3, decoder_start(cfg), cfg.n_layers})
+
+
+def full_depth(cfg: ModelConfig, t: dict) -> dict:
+    """The full model's time from the slice's times `t` {layers: seconds or ms} at `proxy_depths`: V4 linear in
+    the layers (the deeper slice adds layers the full model repeats); V4.1 per layer kind — the encoder layer's
+    time from the two encoder-only depths, the decoder layer's from the encoder depth to the whole slice, each
+    times the full model's count of that kind beyond the slice's. With no third depth (prefill's two), the
+    encoder time is the encoder depth's over its layers: fixed costs (embedding, head) scaled with them, an
+    upper bound. Returns {"full", "per_layer", "method"}."""
+    full = full_config(cfg)
+    L = cfg.n_layers
+    if cfg.family != "v4.1":
+        L1 = min(t)
+        per_layer, total = extrapolate_depth(t[L1], t[L], L1, L, full.n_layers)
+        return {"full": total, "per_layer": per_layer,
+                "method": f"t(full) = t({L}) + ({full.n_layers} - {L}) x (t({L}) - t({L1})) / {L - L1}"}
+    from dsjax.v41_replay import decoder_start
+
+    E, E_full = decoder_start(cfg), decoder_start(full)
+    dec = (t[L] - t[E]) / (L - E)
+    lower = [d for d in t if d < E]
+    if lower:
+        L0 = max(lower)
+        enc = (t[E] - t[L0]) / (E - L0)
+        total = t[L] + (E_full - E) * enc + ((full.n_layers - E_full) - (L - E)) * dec
+        method = (f"t(full) = t({L}) + ({E_full} - {E}) x encoder layer + ({full.n_layers - E_full} - {L - E}) x "
+                  f"decoder layer; encoder layer = (t({E}) - t({L0})) / {E - L0}, decoder = (t({L}) - t({E})) / {L - E}")
+    else:
+        enc = t[E] / E
+        total = E_full * enc + (full.n_layers - E_full) * dec
+        method = (f"t(full) = {E_full} x t({E}) / {E} + {full.n_layers - E_full} x (t({L}) - t({E})) / {L - E} "
+                  "(fixed costs scaled with the encoder layers: an upper bound)")
+    return {"full": total, "per_layer": {"encoder": enc, "decoder": dec}, "method": method}
+
+
 def shallower(model, layers: int):
     """The slice's first `layers` layers as a Model sharing its weights (no copy): a second depth for the
-    per-layer difference. A V4.1 slice is cut exactly at its first decoder layer (the ratio-1 source): the
-    encoder layers alone, for prefill timing (its DSpark reads other layers than the deep slice's)."""
+    per-layer difference. A V4.1 slice is cut inside its encoder layers (up to its first decoder layer, the
+    ratio-1 source; at least the 3 its DSpark reads — which then reads other layers than the deep slice's)."""
     from dsjax.api import Model
 
     cfg = model.cfg
@@ -167,9 +210,9 @@ def shallower(model, layers: int):
     if family in V41_FAMILIES:
         from dsjax.v41_replay import decoder_start
 
-        if layers != decoder_start(cfg):
-            raise ConfigError(f"a shallower V4.1 slice keeps exactly its encoder layers ({decoder_start(cfg)} "
-                              f"of {cfg.n_layers}), not {layers}")
+        if not 3 <= layers <= decoder_start(cfg):
+            raise ConfigError(f"a shallower V4.1 slice keeps 3 to {decoder_start(cfg)} of its encoder layers "
+                              f"(of {cfg.n_layers}), not {layers}")
         sub = slice_config41(layers, cfg.n_routed_experts, family=family).replace(kernels=cfg.kernels)
     else:
         sub = slice_config(layers, cfg.n_routed_experts, family=family, pattern="model").replace(kernels=cfg.kernels)

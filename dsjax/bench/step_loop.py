@@ -41,6 +41,14 @@ def _carry(model, batch: int, ctx: int, k: int, n_tokens: int, max_seq: int, see
                          top_ids=jnp.zeros((batch, n_tokens, 0), jnp.int32),
                          top_lp=jnp.zeros((batch, n_tokens, 0), jnp.float32), count=zeros(), done=done,
                          steps=jnp.int32(0))
+    if cfg.family == "v4.1":   # DSpark drafts from its rings of main_x (empty here: timing, not acceptance)
+        from dsjax.dspark import init_rings
+        from dsjax.dspark_loop import DSparkCarry
+
+        return DSparkCarry(state=state_at(cfg, batch, max_seq, ctx), rings=init_rings(cfg, batch),
+                           main_x=jnp.zeros((batch, cfg.dim), jnp.dtype(cfg.compute_dtype)), last=last, tokens=tokens,
+                           logprob=logprob, count=zeros(), done=done, steps=jnp.int32(0), drafted=zeros(),
+                           accepted=zeros(), accepted_at=jnp.zeros((batch, k), jnp.int32), verified=zeros())
     state = state_at(cfg, batch, max_seq, ctx, with_mtp=True)
     with model._on_mesh():
         h = jax.eval_shape(lambda p, s: forward_hidden_chunk(p, cfg, jnp.zeros((batch, 1), jnp.int32), s)[0],
@@ -55,8 +63,8 @@ def time_loop(model, *, batch: int = 1, ctx: int = 4096, k: int = 0, acceptance_
               steps: int = 64, steps_per_dispatch: int = 32, seed: int = 0, keep_tokens: bool = False) -> dict:
     """ms per step of `steps` loop steps (after one warm-up dispatch that compiles), host share included.
 
-    k = 0: plain decode; k > 0: MTP draft of k + verify of k+1 + accept + commit, acceptance forced to
-    `acceptance_length` (default: every draft accepted) — simulated."""
+    k = 0: plain decode; k > 0: draft of k (MTP for V4, DSpark's block for V4.1) + verify of k+1 + accept +
+    commit, acceptance forced to `acceptance_length` (default: every draft accepted) — simulated."""
     cfg = model.cfg
     al = float(k + 1) if acceptance_length is None else float(acceptance_length)
     per_step = k + 1 if k else 1
@@ -75,7 +83,12 @@ def time_loop(model, *, batch: int = 1, ctx: int = 4096, k: int = 0, acceptance_
 
     def dispatch(carry):
         with model._on_mesh():
-            if k:
+            if k and cfg.family == "v4.1":
+                from dsjax.dspark_loop import dspark_steps
+
+                carry = dspark_steps(model.params, carry, sp, stop_ids, max_new, forced, cfg=cfg, k=k,
+                                     max_steps=steps_per_dispatch, max_seq=max_seq)
+            elif k:
                 carry = spec_steps(model.params, carry, sp, stop_ids, max_new, forced, cfg=cfg, k=k,
                                    max_steps=steps_per_dispatch, max_seq=max_seq)
             else:

@@ -11,7 +11,7 @@ measures in the same run.
 
     dsjax bench tp --model slice:v4-flash:4 --tp 1,2 --out tp.json
     dsjax bench tp --model slice:v4-flash:43 --tp 2            # full-depth V4-Flash: needs two H200s
-    dsjax bench tp --model slice:v4.1-flash:8 --tp 1,2 --k 0   # a V4.1-Flash slice (decode and prefill)
+    dsjax bench tp --model slice:v4.1-flash:8 --tp 1,2 --k 5   # a V4.1-Flash slice (verify: DSpark's block)
 """
 
 from __future__ import annotations
@@ -126,10 +126,7 @@ def measure(spec: str, tp: int, args, copy, save=lambda rec: None) -> dict:
         rec["decode"] = time_loop(model, k=0, keep_tokens=True, **loop)
         rec["decode"].update(_floor(cfg, copy, tp, batch=args.batch, ctx=args.context, k=0, ar_ms=ar_ms))
         say(f"decode {rec['decode']['ms_per_step']:.3f} ms/step")
-    if args.k and cfg.family == "v4.1":
-        rec["verify_skipped"] = "V4.1 drafts with DSpark, whose loop this script does not time yet (MTP only)"
-        say("verify skipped (V4.1)")
-    elif args.k:
+    if args.k:
         rec["verify"] = time_loop(model, k=args.k, acceptance_length=args.acceptance_length, **loop)
         rec["verify"].update(_floor(cfg, copy, tp, batch=args.batch, ctx=args.context, k=args.k, ar_ms=ar_ms))
         say(f"verify {rec['verify']['ms_per_step']:.3f} ms/step")
