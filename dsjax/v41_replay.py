@@ -82,14 +82,16 @@ def encode_chunk41(params, token_ids, state: State41, n_valid, keep, first, *, c
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
-def replay41(params, state: State41, keep, first, *, cfg: ModelConfig):
+def replay41(params, state: State41, keep, first, window_from=None, *, cfg: ModelConfig):
     """The decoder layers over each row's kept positions [first, lengths). Returns (y [B,W,D] the collapsed
-    stream there, the DSpark taps [B,W,.] or None, the complete state)."""
+    stream there, the DSpark taps [B,W,.] or None, the complete state). `window_from` [B]: the first position
+    whose decoder-layer window rows exist (default `first`; lower when a row continues a cached state whose
+    decoder windows hold the positions just before `first`)."""
     E = decoder_start(cfg)
     h, pre_mix, tokens = keep
     n = state.lengths - first
     shared = new_shared(state)
-    shared["window_from"] = first
+    shared["window_from"] = first if window_from is None else window_from
     h, pre_mix, layers, _, taps = run_layers41(params, cfg, h, pre_mix, tokens, state, first, n,
                                                range(E, cfg.n_layers), shared)
     y = per_token(cfg, collapse, h, pre_mix)

@@ -23,11 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.decode import LoopCarry, decode_steps
+from dsjax.errors import ConfigError, InputError
 from dsjax.sampling import Penalties, SamplingParams
-from dsjax.serving.engine_steps import join_rows, prefill
+from dsjax.serving.engine_steps import join_rows, prefill, replay_end
 from dsjax.serving.prefix_cache import PrefixCache, put_row, take_row
 from dsjax.speculative import SpecCarry, spec_steps
 from dsjax.state import init_state
+from dsjax.v41_replay import empty_keep, encode_chunk41
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +70,28 @@ class SlotEngine:
     `steps_per_dispatch` decode steps per dispatch. Every step also returns the `max_top_logprobs` most likely
     alternatives (one compiled program for every request; a row keeps the first `top_logprobs` of them).
     `num_speculative_tokens` > 0 decodes with the MTP draft-verify loop (`dsjax.speculative.spec_steps`): each
-    row carries its pending target streams across dispatches; only the chosen token's logprob is reported."""
+    row carries its pending target streams across dispatches; only the chosen token's logprob is reported.
+    `prefill_schedule="replay"` (V4.1, text prompts): each chunk runs the encoder layers and the ratio-1 source
+    only, and a row's decoder layers run once, over its last window of prompt positions, when its prompt ends
+    (`dsjax.v41_replay`; a row continuing a cached prefix replays only its new positions)."""
 
     def __init__(self, model, *, slots: int, prefill_chunk: int = 64, steps_per_dispatch: int = 8,
                  max_top_logprobs: int = 20, stop_token_ids: tuple[int, ...] | None = None,
-                 prefix_cache_entries: int = 0, num_speculative_tokens: int = 0):
+                 prefix_cache_entries: int = 0, num_speculative_tokens: int = 0, prefill_schedule: str = "exact"):
+        from dsjax.v41_replay import SCHEDULES, decoder_start
+
         self.model, self.cfg, self.params = model, model.cfg, model.params
         self.slots, self.max_seq = slots, model.max_seq_len
         self.chunk, self.steps, self.k = prefill_chunk, steps_per_dispatch, num_speculative_tokens
+        if prefill_schedule not in SCHEDULES:
+            raise ConfigError(f"prefill schedule {prefill_schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        self.replay = prefill_schedule == "replay"
+        if self.replay:
+            decoder_start(self.cfg)  # a V4.1 model with a ratio-1 KV source, or a ConfigError
+            if self.k:
+                raise ConfigError("the replay prefill schedule serves without speculative decoding")
+        self._replay_first = np.zeros(slots, np.int32)   # replay: each row's first replayed position
+        self._window_from = np.zeros(slots, np.int32)    # ... and the first with decoder window rows
         self.max_top = 0 if self.k else max_top_logprobs
         stops = (self.cfg.eos_token_id,) if stop_token_ids is None else stop_token_ids
         self.stop_ids = jnp.asarray(sorted(set(stops)), jnp.int32)
@@ -109,6 +125,7 @@ class SlotEngine:
             self.state = init_state(self.cfg, B, self.max_seq, with_mtp=self.k > 0)
             self.last = jnp.zeros((B,), jnp.int32)
             self.counts = jnp.zeros((B, self.cfg.vocab_size), jnp.int32)
+            self.keep = empty_keep(self.cfg, B) if self.replay else None  # replay: the stream at kept positions
         self.pend_h = self.pend_tok = self.pend_n = None  # speculative: set by the first prefill
 
     # ---- rows joining and leaving ----
@@ -124,6 +141,8 @@ class SlotEngine:
         ids are `prompt`); their spans are encoded here and the row never shares KV (the spans' token ids do not
         identify the image). Returns how many prompt tokens are not prefilled again."""
         assert self.prompt[slot] is None and not self.decoding[slot], f"slot {slot} is busy"
+        if self.replay and images is not None and images.images:
+            raise InputError("image prompts are prefilled with the exact schedule; this engine runs the replay")
         full = np.asarray(prompt, np.int32)
         self._vision[slot] = None
         if images is not None and images.images:
@@ -138,6 +157,10 @@ class SlotEngine:
             cached, row = start.tokens, start.row
         self._full_prompt[slot] = full
         self.prompt[slot] = full[cached:]
+        if self.replay:  # replay the last window, less what a cached state's decoder layers already hold
+            first = max(len(full) - self.cfg.window_size, cached)
+            self._replay_first[slot] = first
+            self._window_from[slot] = first if first > cached else 0
         self.remaining[slot] = max_new_tokens
         self.wants_top[slot] = top_logprobs
         self._temperature[slot], self._top_p[slot] = sampling.temperature, sampling.top_p
@@ -223,11 +246,24 @@ class SlotEngine:
         ends[ended] = True
         with self.model._on_mesh():
             self._apply_joins()
-            image = self._chunk_images(rows, C)
-            self.state, tok, lp, top_ids, top_lp, last_h, pen = prefill(
-                self.params, jnp.asarray(tokens), jnp.asarray(nxt), self.state, jnp.asarray(n_valid),
-                jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(), image, cfg=self.cfg, K=K,
-                mtp=self.k > 0)
+            if self.replay:
+                self.state, self.keep = encode_chunk41(self.params, jnp.asarray(tokens), self.state,
+                                                       jnp.asarray(n_valid), self.keep,
+                                                       jnp.asarray(self._replay_first), cfg=self.cfg)
+                last_h = None
+                if ended:
+                    self.state, tok, lp, top_ids, top_lp, pen = replay_end(
+                        self.params, self.state, self.keep, jnp.asarray(self._replay_first),
+                        jnp.asarray(self._window_from), jnp.asarray(ends), self._sampling(), self._penalties(),
+                        cfg=self.cfg, K=K)
+                else:
+                    pen = None
+            else:
+                image = self._chunk_images(rows, C)
+                self.state, tok, lp, top_ids, top_lp, last_h, pen = prefill(
+                    self.params, jnp.asarray(tokens), jnp.asarray(nxt), self.state, jnp.asarray(n_valid),
+                    jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(), image, cfg=self.cfg,
+                    K=K, mtp=self.k > 0)
             if pen is not None:
                 self.counts = pen.counts
             for b in rows:

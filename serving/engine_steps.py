@@ -1,6 +1,7 @@
 """The compiled programs the slot engine runs besides the decode loops themselves (`dsjax.decode.decode_steps`,
 `dsjax.speculative.spec_steps`): rows joining, and one prefill chunk with the first token of the rows whose
-prompt ends in it. Each is jitted once per engine configuration; shapes never depend on the requests."""
+prompt ends in it (V4.1's replay schedule: `dsjax.v41_replay.encode_chunk41` per chunk, then `replay_end`). Each
+is jitted once per engine configuration; shapes never depend on the requests."""
 
 from __future__ import annotations
 
@@ -51,3 +52,19 @@ def prefill(params, tokens, next_tokens, state, n_valid, n_mtp, ends, sp: Sampli
     tok = sample(penalised(logits, pen), sp, state.lengths)
     lp, top_ids, top_lp = token_logprobs(logits, tok, K)
     return state, tok, lp, top_ids, top_lp, (last_h if mtp else None), counted(pen, tok, ends)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "K"), donate_argnames=("state",))
+def replay_end(params, state, keep, first, window_from, ends, sp: SamplingParams, pen: Penalties | None, *,
+               cfg: ModelConfig, K: int):
+    """The replay schedule's last step for the rows that `ends` (dsjax.v41_replay): the decoder layers over each
+    such row's kept positions [first, lengths), then its first token sampled at the last prompt position as
+    `prefill` samples it. Other rows replay nothing (first = their length) and keep their state bit for bit."""
+    from dsjax.v41_replay import last_logits, replay41
+
+    first = jnp.where(ends, first, state.lengths)
+    y, _, state = replay41(params, state, keep, first, jnp.where(ends, window_from, state.lengths), cfg=cfg)
+    logits = gather_vocab(last_logits(params, cfg, y, state.lengths, first), cfg.sharding)
+    tok = sample(penalised(logits, pen), sp, state.lengths)
+    lp, top_ids, top_lp = token_logprobs(logits, tok, K)
+    return state, tok, lp, top_ids, top_lp, counted(pen, tok, ends)

@@ -117,7 +117,8 @@ def build(cfg: ServeConfig, model=None):
                           "(V4 family with n_mtp_layers > 0)")
     engine = SlotEngine(model, slots=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
                         steps_per_dispatch=cfg.steps_per_dispatch, max_top_logprobs=cfg.max_logprobs,
-                        prefix_cache_entries=cfg.prefix_cache_entries, num_speculative_tokens=k)
+                        prefix_cache_entries=cfg.prefix_cache_entries, num_speculative_tokens=k,
+                        prefill_schedule=cfg.prefill_schedule)
     kv = _kv_handoff(cfg, model, engine, metrics) if cfg.kv_peer_port >= 0 else None
     scheduler = Scheduler(engine, max_queue=cfg.max_queue, metrics=metrics, kv=kv)
     info = ModelInfo(id=cfg.model_id, source=model.source, family=family, max_model_len=model.max_seq_len,
@@ -125,8 +126,11 @@ def build(cfg: ServeConfig, model=None):
                      eos_token_id=model.cfg.eos_token_id)
     limits = Limits(max_model_len=model.max_seq_len, max_logprobs=0 if k else cfg.max_logprobs, speculative=k > 0,
                     fetch_remote_images=cfg.allow_remote_images)
+    vision = model.cfg.vision_enabled and cfg.prefill_schedule == "exact"
     return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics, kv=kv,
-                   vision_cfg=model.cfg if model.cfg.vision_enabled else None)
+                   vision_cfg=model.cfg if vision else None,
+                   vision_refusal="image prompts are not served with --prefill-schedule replay (text only)"
+                   if model.cfg.vision_enabled and not vision else None)
 
 
 def _kv_handoff(cfg: ServeConfig, model, engine, metrics):

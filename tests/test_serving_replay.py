@@ -1,0 +1,82 @@
+"""The slot engine with V4.1's replay prefill schedule (`prefill_schedule="replay"`, `dsjax serve
+--prefill-schedule replay`): rows that join at different times, chunk through the encoder layers, and replay
+their decoder layers when their prompt ends must give what `Model.generate(prefill_schedule="replay")` gives.
+
+numerics="transformers" (fp32) is batch-invariant, so a row's tokens cannot depend on its slot, its neighbours or
+how its prompt was chunked: served greedy tokens and logprobs must equal generate's. tiny-v41: window 16, the
+ratio-1 source at layer 6 (encoder layers 0-5); prompts of 9, 37 and 70 tokens (shorter than, 2x and 4x the
+window), the third joining while the others prefill and decode.
+"""
+
+import numpy as np
+import pytest
+
+import dsjax
+from dsjax.errors import ConfigError, InputError
+from dsjax.serving.config import ServeConfig
+from dsjax.serving.engine import RowSampling, SlotEngine
+
+pytestmark = pytest.mark.xdist_group("v41_replay")
+
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsjax.load("tiny-v41", numerics="transformers", max_seq_len=128, max_batch=3, compilation_cache=None)
+
+
+def _prompts(seed):
+    rng = np.random.default_rng(seed)
+    return [[0] + rng.integers(3, 120_000, size=n - 1).tolist() for n in (9, 37, 70)]
+
+
+def _serve(engine, prompts):
+    """Rows 0 and 1 join first; row 2 joins after their first prefill step. Greedy until every row is done."""
+    out = {b: ([], []) for b in range(len(prompts))}
+
+    def take(steps):
+        for s in steps:
+            out[s.slot][0].extend(s.tokens)
+            out[s.slot][1].extend(s.logprobs)
+
+    for b in (0, 1):
+        engine.join(b, prompts[b], NEW, RowSampling())
+    take(engine.prefill_step())
+    engine.join(2, prompts[2], NEW, RowSampling())
+    while engine.busy():
+        take(engine.prefill_step())
+        if engine.decoding.any():
+            take(engine.decode_step())
+    return [out[b] for b in range(len(prompts))]
+
+
+def test_served_replay_equals_generate_replay(model, test_seed):
+    prompts = _prompts(test_seed)
+    engine = SlotEngine(model, slots=3, prefill_chunk=16, steps_per_dispatch=2, max_top_logprobs=0,
+                        stop_token_ids=(), prefill_schedule="replay")
+    served = _serve(engine, prompts)
+    gens = model.generate(prompts, NEW, temperature=0.0, stop_token_ids=(), prefill_schedule="replay",
+                          steps_per_dispatch=2, logprobs=1)
+    for b, ((tokens, logprobs), g) in enumerate(zip(served, gens)):
+        assert tokens == g.tokens, f"prompt {b} ({len(prompts[b])} tokens)"
+        np.testing.assert_allclose(logprobs, [d["logprob"] for d in g.logprobs], rtol=0, atol=1e-5,
+                                   err_msg=f"prompt {b}")
+
+
+def test_replay_engine_refuses_what_it_cannot_serve(model):
+    with pytest.raises(ConfigError, match="ratio-1 KV source"):
+        SlotEngine(dsjax.load("tiny-v4", max_seq_len=64, max_batch=1, compilation_cache=None), slots=1,
+                   prefill_schedule="replay")
+    with pytest.raises(ConfigError, match="choose one of exact, replay"):
+        SlotEngine(model, slots=1, prefill_schedule="fast")
+    engine = SlotEngine(model, slots=1, prefill_schedule="replay")
+
+    class Images:
+        images = [object()]
+    with pytest.raises(InputError, match="exact schedule"):
+        engine.join(0, [0, 1, 2], 2, RowSampling(), images=Images())
+    with pytest.raises(ConfigError, match="--prefill-schedule must be exact or replay"):
+        ServeConfig(prefill_schedule="fast").validate()
+    with pytest.raises(ConfigError, match="without --speculative-config"):
+        ServeConfig(prefill_schedule="replay", speculative_config={"method": "mtp"}).validate()
