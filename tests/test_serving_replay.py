@@ -23,7 +23,7 @@ NEW = 5
 
 @pytest.fixture(scope="module")
 def model():
-    return dsjax.load("tiny-v41", numerics="transformers", max_seq_len=128, max_batch=3, compilation_cache=None)
+    return dsjax.load("tiny-v41", numerics="transformers", max_seq_len=128, max_batch=4, compilation_cache=None)
 
 
 def _prompts(seed):
@@ -51,12 +51,27 @@ def _serve(engine, prompts):
     return [out[b] for b in range(len(prompts))]
 
 
+def _serve_one(engine):
+    tokens, logprobs = [], []
+    while engine.busy():
+        for s in engine.prefill_step() + (engine.decode_step() if engine.decoding.any() else []):
+            tokens.extend(s.tokens)
+            logprobs.extend(s.logprobs)
+    return tokens, logprobs
+
+
 def test_served_replay_equals_generate_replay(model, test_seed):
     prompts = _prompts(test_seed)
     engine = SlotEngine(model, slots=3, prefill_chunk=16, steps_per_dispatch=2, max_top_logprobs=0,
-                        stop_token_ids=(), prefill_schedule="replay")
+                        stop_token_ids=(), prefill_schedule="replay", prefix_cache_entries=4)
     served = _serve(engine, prompts)
-    gens = model.generate(prompts, NEW, temperature=0.0, stop_token_ids=(), prefill_schedule="replay",
+    # a prompt extending prompt 1 (37 tokens) by 20: the cached row's encoder state is reused; the replay covers
+    # positions 41..56 (all new), masking the decoder windows before 41 as a fresh replay does
+    longer = prompts[1] + _prompts(test_seed + 1)[1][1:21]
+    engine.join(0, longer, NEW, RowSampling())
+    assert engine.prompt[0].size == 20
+    served.append(_serve_one(engine))
+    gens = model.generate(prompts + [longer], NEW, temperature=0.0, stop_token_ids=(), prefill_schedule="replay",
                           steps_per_dispatch=2, logprobs=1)
     for b, ((tokens, logprobs), g) in enumerate(zip(served, gens)):
         assert tokens == g.tokens, f"prompt {b} ({len(prompts[b])} tokens)"
