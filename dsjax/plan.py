@@ -283,6 +283,8 @@ def _v41_kv_layout(cfg: ModelConfig, dt: int) -> dict:
             "bytes_per_token": kinds,
             "global_bytes_per_token": sum(k["layers"] * (k["main"] + k["index"]) for k in kinds.values()),
             "paper_bytes_per_token": _v41_kv(cfg)["global_bytes_per_token"],
+            # what SGLang / vLLM keep for V4.1 today: 584-B fp8_ds_mla main rows + 68-B index rows (spec §4.2)
+            "engines_bytes_per_token": sum((584 + 68) / cfg.layer_ratio(s) for s in cfg.kv_source_layers),
             "window_bytes_per_sequence": cfg.n_layers * cfg.window_size * width["window"]}
 
 
@@ -374,6 +376,11 @@ def format_plan(p: dict) -> str:
         lines.append(f"  {kind:<18} {k['layers']:>3} layers x (main {k['main']:g}{idx}) B/token")
     lines.append(f"  global {kv['global_bytes_per_token']:g} B/token per sequence; windows "
                  f"{kv['window_bytes_per_sequence'] / 1e6:.2f} MB per sequence")
+    if "engines_bytes_per_token" in kv:
+        e = kv["engines_bytes_per_token"]
+        lines.append(f"  engines today (SGLang, vLLM: 584-B fp8_ds_mla main + 68-B index rows): {e:g} B/token — "
+                     f"dsjax keeps {kv['global_bytes_per_token'] / e:.0%} of it ({e / kv['global_bytes_per_token']:.2f}x "
+                     "the sequences per GB of KV cache)")
     pol = p["memory_policy"]
     lines.append("")
     lines.append(f"fits? budget = {pol['mem_fraction']:g} x device memory ({pol['source']}; "

@@ -118,6 +118,9 @@ def test_v41_flash_plan():
     assert round(lp["vision"] / 1e9, 3) == 0.485 and round(lp["total"] / 1e9, 1) == 763.2
     kv = p["kv_layout"]
     assert kv["global_bytes_per_token"] == kv["paper_bytes_per_token"] == 890
+    assert kv["engines_bytes_per_token"] == 1630                 # spec §4.2: what SGLang / vLLM keep
+    assert "engines today (SGLang, vLLM: 584-B fp8_ds_mla main + 68-B index rows): 1630 B/token — dsjax keeps 55%" \
+        in planner.format_plan(p)
     assert kv["bytes_per_token"]["csa2 source (ratio 2)"] == {"layers": 3, "main": 144, "index": 34}
     assert kv["window_bytes_per_sequence"] == 40 * 128 * 528
     fp32 = planner.kv_layout(preset("v4.1-flash").with_numerics("transformers"))
