@@ -239,14 +239,22 @@ def test_full_depth_extrapolates_v41_per_layer_kind_and_the_1m_fit_stays_nonnega
     assert b == 0.0 and a == pytest.approx(np.dot(S, [1.0, 2.1, 3.9]) / np.dot(S, S))
 
 
-def test_prefill_schedules_run_on_a_v41_slice():
-    """`bench prefill --schedule replay` times the CED replay (encoder chunks, then the decoder over the last
-    window): one ragged prompt through both schedules; V4 refuses the replay; a V4.1 proxy depth must be the
-    encoder layers exactly."""
-    from dsjax.bench.prefill import prefill_seconds
-    from dsjax.bench.slices import shallower, slice_model
+@pytest.fixture(scope="module")
+def v41_slice():
+    """tiny-v41's first 5 representative layers: window, window + Engram, ratio-2 source and Reuse (encoder),
+    the ratio-1 source (decoder)."""
+    from dsjax.bench.slices import slice_model
+    return slice_model("slice:tiny-v41:5", max_seq_len=256)
 
-    model = slice_model("slice:tiny-v41:8", max_seq_len=128)
+
+def test_prefill_schedules_run_on_a_v41_slice(v41_slice):
+    """`bench prefill --schedule replay` times the CED replay (encoder chunks, then the decoder over the last
+    window): one ragged prompt through both schedules; V4 refuses the replay; a V4.1 proxy depth lies within the
+    encoder layers."""
+    from dsjax.bench.prefill import prefill_seconds
+    from dsjax.bench.slices import shallower
+
+    model = v41_slice
     for schedule in ("exact", "replay"):
         secs, first = prefill_seconds(model, 40, 32, schedule=schedule)
         assert 0 < secs and 0 < first
@@ -258,12 +266,10 @@ def test_prefill_schedules_run_on_a_v41_slice():
         schedule_steps(slice_config(2, 8, family="tiny-v4", pattern="model"), "replay", 40)
 
 
-def test_loop_rig_times_dspark_on_a_v41_slice():
+def test_loop_rig_times_dspark_on_a_v41_slice(v41_slice):
     """V4.1 slices draft with DSpark in the timed loop (`bench tp`, `ablate`, `repro`'s extrapolation): forced
     acceptance commits k + 1 tokens a step; the floor counts DSpark's stages and head."""
-    from dsjax.bench.slices import slice_model
-
-    model = slice_model("slice:tiny-v41:8", max_seq_len=256)
+    model = v41_slice
     r = time_loop(model, batch=1, ctx=40, k=2, steps=2, steps_per_dispatch=1)
     assert r["steps"] == 2 and r["acceptance"] == "simulated" and r["tokens_per_step_per_row"] == 3.0
     b0 = roofline.step_bytes(model.cfg, batch=1, T=3, ctx=40)
