@@ -98,15 +98,23 @@ def _chunk_ids(rows, slots: int, start: int, C: int):
     return chunk
 
 
-def _replay_prefill(params, cfg: ModelConfig, rows, slots: int, C: int, state, rings):
+def _chunk_image(vision, slots: int, start: int, C: int):
+    """The model's `image` argument for the prompt chunk at `start` (None when no row's chunk holds an image)."""
+    if vision is None:
+        return None
+    index = vision.chunk(slots, start, C)
+    return (vision.rows, jnp.asarray(index)) if (index >= 0).any() else None
+
+
+def _replay_prefill(params, cfg: ModelConfig, rows, slots: int, C: int, state, rings, vision=None):
     """V4.1's CED prefill with SWA bounded replay (dsjax.v41_replay): (logits and DSpark main_x at each row's
     last prompt position, state, rings)."""
     from dsjax import dspark
     from dsjax.v41_replay import last_logits, prefill_replay
 
     lengths = np.array([len(r) for r in rows] + [1] * (slots - len(rows)))
-    chunks = [(jnp.asarray(_chunk_ids(rows, slots, start, C)), jnp.asarray(np.clip(lengths - start, 0, C).astype(np.int32)))
-              for start in range(0, int(lengths.max()), C)]
+    chunks = [(jnp.asarray(_chunk_ids(rows, slots, start, C)), jnp.asarray(np.clip(lengths - start, 0, C).astype(np.int32)),
+               _chunk_image(vision, slots, start, C)) for start in range(0, int(lengths.max()), C)]
     y, taps, first, state = prefill_replay(params, cfg, chunks, state, lengths)
     logits = last_logits(params, cfg, y, lengths, first)
     last_h = None
@@ -209,16 +217,11 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     last_logits = jnp.zeros((slots, cfg.vocab_size), jnp.float32)
     last_h = None
     replay = opts.prefill_schedule == "replay"
-    if replay and vision is not None:
-        raise InputError("prefill_schedule='replay' with images is not supported yet: use the exact schedule")
     for start in range(0, int(lengths.max()) if not replay else 0, C):
         chunk, nxt = _chunk_ids(rows, slots, start, C), _chunk_ids(rows, slots, start + 1, C)
         n_valid = np.clip(lengths - start, 0, C).astype(np.int32)
         n_mtp = np.clip(lengths - 1 - start, 0, C).astype(np.int32)
-        image = None
-        if vision is not None:
-            index = vision.chunk(slots, start, C)
-            image = (vision.rows, jnp.asarray(index)) if (index >= 0).any() else None
+        image = _chunk_image(vision, slots, start, C)
         if dspark:
             logits, h, state, rings = dspark_prefill(params, jnp.asarray(chunk), state, rings, jnp.asarray(n_valid),
                                                      image, cfg=cfg)
@@ -232,7 +235,7 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
             hl = h[jnp.arange(slots), last]
             last_h = hl if last_h is None else jnp.where(here.reshape((-1,) + (1,) * (hl.ndim - 1)), hl, last_h)
     if replay:
-        last_logits, last_h, state, rings = _replay_prefill(params, cfg, rows, slots, C, state, rings)
+        last_logits, last_h, state, rings = _replay_prefill(params, cfg, rows, slots, C, state, rings, vision)
     carry = LoopCarry(
         state=state, last=jnp.zeros((slots,), jnp.int32), tokens=jnp.zeros((slots, N), jnp.int32),
         logprob=jnp.zeros((slots, N), jnp.float32), top_ids=jnp.zeros((slots, N, K), jnp.int32),

@@ -52,23 +52,27 @@ def replay_from(lengths, window: int):
 
 
 def empty_keep(cfg: ModelConfig, batch: int):
-    """Buffers of the stream at the replayed positions: (h [B,W,n,D], pre_mix [B,W,n], token ids [B,W])."""
+    """Buffers of the stream at the replayed positions: (h [B,W,n,D], pre_mix [B,W,n], token ids [B,W], image-span
+    positions bool [B,W])."""
     W, n = cfg.window_size, cfg.hc_mult
     return (jnp.zeros((batch, W, n, cfg.dim), jnp.dtype(cfg.compute_dtype)),
-            jnp.zeros((batch, W, n), jnp.float32), jnp.zeros((batch, W), jnp.int32))
+            jnp.zeros((batch, W, n), jnp.float32), jnp.zeros((batch, W), jnp.int32), jnp.zeros((batch, W), bool))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state", "keep"))
-def encode_chunk41(params, token_ids, state: State41, n_valid, keep, first, *, cfg: ModelConfig):
-    """One prompt chunk through the encoder and the ratio-1 source; `first` [B] = replay_from(prompt lengths).
-    Returns (state with every encoder layer, the source and the Engram history advanced, keep updated)."""
+def encode_chunk41(params, token_ids, state: State41, n_valid, keep, first, image=None, *, cfg: ModelConfig):
+    """One prompt chunk through the encoder and the ratio-1 source; `first` [B] = replay_from(prompt lengths);
+    `image` as `forward_hidden41` takes it (image-span rows and their index; the decoder layers see the span's
+    positions again through `keep`). Returns (state with every encoder layer, the source and the Engram history
+    advanced, keep updated)."""
     E = decoder_start(cfg)
     B, T = token_ids.shape
     start = state.lengths
-    row_ids = hash_ids(cfg, state.engram_history, token_ids) if cfg.engram_layer_ids else None
-    h, pre_mix = embed41(params, cfg, token_ids)
+    image_mask = None if image is None else image[1] >= 0
+    row_ids = hash_ids(cfg, state.engram_history, token_ids, image_mask) if cfg.engram_layer_ids else None
+    h, pre_mix = embed41(params, cfg, token_ids, image)
     h, pre_mix, layers, _, _ = run_layers41(params, cfg, h, pre_mix, token_ids, state, start, n_valid, range(E),
-                                            new_shared(state), row_ids=row_ids)
+                                            new_shared(state), image_mask=image_mask, row_ids=row_ids)
     w, st = params.layers[E], state.layers[E]
     x = per_token(cfg, lambda h, p: attention_input(h, p, w, cfg), h, pre_mix)
     layers[E] = LayerState41(window=st.window, source=update_source(x, w.attn, st.source, cfg, E, start, n_valid))
@@ -76,8 +80,10 @@ def encode_chunk41(params, token_ids, state: State41, n_valid, keep, first, *, c
     slot = start[:, None] + t - first[:, None]
     slot = jnp.where((slot >= 0) & (t < n_valid[:, None]), slot, cfg.window_size)      # out of range: dropped
     rows = jnp.arange(B)[:, None]
-    keep = tuple(k.at[rows, slot].set(v.astype(k.dtype), mode="drop") for k, v in zip(keep, (h, pre_mix, token_ids)))
-    history = next_history(state.engram_history, token_ids, n_valid)
+    is_image = jnp.zeros((B, T), bool) if image_mask is None else image_mask
+    keep = tuple(k.at[rows, slot].set(v.astype(k.dtype), mode="drop")
+                 for k, v in zip(keep, (h, pre_mix, token_ids, is_image)))
+    history = next_history(state.engram_history, token_ids, n_valid, image_mask)
     return State41(lengths=start + n_valid, layers=tuple(layers), engram_history=history), keep
 
 
@@ -88,24 +94,25 @@ def replay41(params, state: State41, keep, first, window_from=None, *, cfg: Mode
     whose decoder-layer window rows exist (default `first`; lower when a row continues a cached state whose
     decoder windows hold the positions just before `first`)."""
     E = decoder_start(cfg)
-    h, pre_mix, tokens = keep
+    h, pre_mix, tokens, is_image = keep
     n = state.lengths - first
     shared = new_shared(state)
     shared["window_from"] = first if window_from is None else window_from
     h, pre_mix, layers, _, taps = run_layers41(params, cfg, h, pre_mix, tokens, state, first, n,
-                                               range(E, cfg.n_layers), shared)
+                                               range(E, cfg.n_layers), shared, image_mask=is_image)
     y = per_token(cfg, collapse, h, pre_mix)
     taps = jnp.concatenate(taps, axis=-1) if taps else None
     return y, taps, dataclasses.replace(state, layers=tuple(layers))
 
 
 def prefill_replay(params, cfg: ModelConfig, chunks, state: State41, lengths):
-    """The whole schedule for a batch of prompts already cut into chunks (token ids [B, C] with n_valid [B] per
-    chunk, every row from position 0). Returns (y [B,W,D] at the replayed positions, taps, first, state)."""
+    """The whole schedule for a batch of prompts already cut into chunks (token ids [B, C], n_valid [B] and the
+    chunk's image argument or None, every row from position 0). Returns (y [B,W,D] at the replayed positions,
+    taps, first, state)."""
     first = replay_from(jnp.asarray(lengths, jnp.int32), cfg.window_size)
     keep = empty_keep(cfg, state.lengths.shape[0])
-    for tokens, n_valid in chunks:
-        state, keep = encode_chunk41(params, tokens, state, n_valid, keep, first, cfg=cfg)
+    for tokens, n_valid, image in chunks:
+        state, keep = encode_chunk41(params, tokens, state, n_valid, keep, first, image, cfg=cfg)
     y, taps, state = replay41(params, state, keep, first, cfg=cfg)
     return y, taps, first, state
 

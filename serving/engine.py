@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.decode import LoopCarry, decode_steps
-from dsjax.errors import ConfigError, InputError
+from dsjax.errors import ConfigError
 from dsjax.sampling import Penalties, SamplingParams
 from dsjax.serving.engine_steps import join_rows, prefill, replay_end
 from dsjax.serving.prefix_cache import PrefixCache, put_row, take_row
@@ -71,7 +71,7 @@ class SlotEngine:
     alternatives (one compiled program for every request; a row keeps the first `top_logprobs` of them).
     `num_speculative_tokens` > 0 decodes with the MTP draft-verify loop (`dsjax.speculative.spec_steps`): each
     row carries its pending target streams across dispatches; only the chosen token's logprob is reported.
-    `prefill_schedule="replay"` (V4.1, text prompts): each chunk runs the encoder layers and the ratio-1 source
+    `prefill_schedule="replay"` (V4.1): each chunk runs the encoder layers and the ratio-1 source
     only, and a row's decoder layers run once, over its last window of prompt positions, when its prompt ends
     (`dsjax.v41_replay`; a row continuing a cached prefix replays only its new positions)."""
 
@@ -141,8 +141,6 @@ class SlotEngine:
         ids are `prompt`); their spans are encoded here and the row never shares KV (the spans' token ids do not
         identify the image). Returns how many prompt tokens are not prefilled again."""
         assert self.prompt[slot] is None and not self.decoding[slot], f"slot {slot} is busy"
-        if self.replay and images is not None and images.images:
-            raise InputError("image prompts are prefilled with the exact schedule; this engine runs the replay")
         full = np.asarray(prompt, np.int32)
         self._vision[slot] = None
         if images is not None and images.images:
@@ -246,10 +244,11 @@ class SlotEngine:
         ends[ended] = True
         with self.model._on_mesh():
             self._apply_joins()
+            image = self._chunk_images(rows, C)
             if self.replay:
                 self.state, self.keep = encode_chunk41(self.params, jnp.asarray(tokens), self.state,
                                                        jnp.asarray(n_valid), self.keep,
-                                                       jnp.asarray(self._replay_first), cfg=self.cfg)
+                                                       jnp.asarray(self._replay_first), image, cfg=self.cfg)
                 last_h = None
                 if ended:
                     self.state, tok, lp, top_ids, top_lp, pen = replay_end(
@@ -259,7 +258,6 @@ class SlotEngine:
                 else:
                     pen = None
             else:
-                image = self._chunk_images(rows, C)
                 self.state, tok, lp, top_ids, top_lp, last_h, pen = prefill(
                     self.params, jnp.asarray(tokens), jnp.asarray(nxt), self.state, jnp.asarray(n_valid),
                     jnp.asarray(n_mtp), jnp.asarray(ends), self._sampling(), self._penalties(), image, cfg=self.cfg,

@@ -126,11 +126,8 @@ def build(cfg: ServeConfig, model=None):
                      eos_token_id=model.cfg.eos_token_id)
     limits = Limits(max_model_len=model.max_seq_len, max_logprobs=0 if k else cfg.max_logprobs, speculative=k > 0,
                     fetch_remote_images=cfg.allow_remote_images)
-    vision = model.cfg.vision_enabled and cfg.prefill_schedule == "exact"
     return Service(info, tokenizer, scheduler, limits, default_thinking=cfg.default_thinking, metrics=metrics, kv=kv,
-                   vision_cfg=model.cfg if vision else None,
-                   vision_refusal="image prompts are not served with --prefill-schedule replay (text only)"
-                   if model.cfg.vision_enabled and not vision else None)
+                   vision_cfg=model.cfg if model.cfg.vision_enabled else None)
 
 
 def _kv_handoff(cfg: ServeConfig, model, engine, metrics):

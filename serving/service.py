@@ -28,11 +28,10 @@ class ModelInfo:
 
 class Service:
     def __init__(self, info: ModelInfo, tokenizer: Tokenizer, scheduler: Scheduler, limits: Limits, *,
-                 default_thinking: bool = True, metrics=None, kv=None, vision_cfg=None, vision_refusal=None):
+                 default_thinking: bool = True, metrics=None, kv=None, vision_cfg=None):
         self.info, self.tokenizer, self.scheduler, self.limits = info, tokenizer, scheduler, limits
         self.default_thinking, self.metrics, self.kv = default_thinking, metrics, kv
         self.vision_cfg = vision_cfg  # the ModelConfig of a V4.1 model with a vision tower, else None
-        self.vision_refusal = vision_refusal  # why images are refused though the model has a tower
         self.ready = False  # set after warm-up; cleared on drain
 
     def check_model(self, name: str) -> None:
@@ -59,9 +58,8 @@ class Service:
         from dsjax.vision.inputs import prepare_prompt
 
         if self.vision_cfg is None:
-            raise bad("messages", f"image_url parts: {self.vision_refusal}" if self.vision_refusal else
-                      f"image_url parts: the model {self.info.id!r} has no vision tower "
-                      "(DeepSeek-V4.1 with vision_config takes images)")
+            raise bad("messages", f"image_url parts: the model {self.info.id!r} has no vision tower "
+                                  "(DeepSeek-V4.1 with vision_config takes images)")
         found = sum(t == self.vision_cfg.image_token_id for t in ids)
         if found != len(images):
             raise bad("messages", f"the encoded messages hold {found} image placeholder(s) for {len(images)} image(s)")

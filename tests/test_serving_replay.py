@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax.errors import ConfigError, InputError
+from dsjax.errors import ConfigError
 from dsjax.serving.config import ServeConfig
 from dsjax.serving.engine import RowSampling, SlotEngine
 
@@ -85,13 +85,33 @@ def test_replay_engine_refuses_what_it_cannot_serve(model):
                    prefill_schedule="replay")
     with pytest.raises(ConfigError, match="choose one of exact, replay"):
         SlotEngine(model, slots=1, prefill_schedule="fast")
-    engine = SlotEngine(model, slots=1, prefill_schedule="replay")
-
-    class Images:
-        images = [object()]
-    with pytest.raises(InputError, match="exact schedule"):
-        engine.join(0, [0, 1, 2], 2, RowSampling(), images=Images())
     with pytest.raises(ConfigError, match="--prefill-schedule must be exact or replay"):
         ServeConfig(prefill_schedule="fast").validate()
     with pytest.raises(ConfigError, match="without --speculative-config"):
         ServeConfig(prefill_schedule="replay", speculative_config={"method": "mtp"}).validate()
+
+
+def test_replay_with_an_image(model, test_seed):
+    """Images under the replay: the encoder embeds the span, and the decoder layers see its positions again
+    (the kept image mask routes them with the VL bias). A prompt with its 8-position span within the 16-token
+    window is replayed whole, so it must equal the exact schedule; the serving engine's replay gives the same
+    first token."""
+    from dsjax.vision.inputs import prepare_prompt
+
+    rng = np.random.default_rng(test_seed)
+    image = rng.integers(0, 256, (40, 64, 3), dtype=np.uint8)
+    prompt = [0, 128803, model.cfg.image_token_id, 4000, 128804, 128822]      # 5 text + 8 span positions
+    kw = dict(temperature=0.0, stop_token_ids=(), logprobs=1, images=[[image]])
+    replay = model.generate([prompt], 1, prefill_schedule="replay", **kw)[0]   # 1 token: no decode loop
+    exact = model.generate([prompt], 1, **kw)[0]
+    assert replay.tokens == exact.tokens
+    np.testing.assert_allclose([d["logprob"] for d in replay.logprobs], [d["logprob"] for d in exact.logprobs],
+                               rtol=0, atol=1e-6)
+    engine = SlotEngine(model, slots=1, prefill_chunk=8, steps_per_dispatch=2, max_top_logprobs=0,
+                        stop_token_ids=(), prefill_schedule="replay")
+    images = prepare_prompt(model.cfg, prompt, [image])
+    engine.join(0, images.ids.tolist(), 1, RowSampling(), images=images)
+    out = []
+    while not out:
+        out = engine.prefill_step()
+    assert out[0].tokens == replay.tokens

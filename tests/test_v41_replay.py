@@ -49,7 +49,7 @@ def _chunks(ids, lengths):
         c = np.zeros((ids.shape[0], C), np.int32)
         part = ids[:, s0:s0 + C]
         c[:, :part.shape[1]] = part
-        out.append((jnp.asarray(c), jnp.asarray(np.clip(lengths - s0, 0, C).astype(np.int32))))
+        out.append((jnp.asarray(c), jnp.asarray(np.clip(lengths - s0, 0, C).astype(np.int32)), None))
     return out
 
 
@@ -67,7 +67,7 @@ def _both(ids, lengths, numerics="reference-bf16", exact=True):
     if not exact:
         return replay, st_r, None, None
     st_e, outs = init_state41(cfg, ids.shape[0], MAX_SEQ), []
-    for c, nv in chunks:
+    for c, nv, _ in chunks:
         logits, st_e = _exact_chunk(params, c, st_e, nv, cfg=cfg)
         outs.append(np.asarray(logits))
     exact = np.concatenate(outs, axis=1)[np.arange(ids.shape[0]), lengths - 1]
