@@ -236,6 +236,9 @@ def test_drain_finishes_running_then_refuses(fake, client):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     st, engine = fake
+    # earlier tests' requests must be gone first, or one of them could pass for the running one below and the drain
+    # would start before ours is submitted (seen once on a loaded CI machine: ours got 503)
+    _wait_for(st.svc.scheduler.idle)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         engine.paused.set()  # the request stays in flight until the checks below are done
         running = pool.submit(client.completions.create, model="fake", prompt=[0, 7], max_tokens=30)
