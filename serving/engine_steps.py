@@ -48,10 +48,16 @@ def prefill(params, tokens, next_tokens, state, n_valid, n_mtp, ends, sp: Sampli
     rows = jnp.arange(B)
     last_h = h[rows, jnp.clip(n_valid - 1, 0, C - 1)]
     logits = head_logits(last_h[:, None], params, cfg, params.hc_head, params.norm)[:, 0]
-    logits = gather_vocab(logits, cfg.sharding)
-    tok = sample(penalised(logits, pen), sp, state.lengths)
+    tok, lp, top_ids, top_lp, pen = _first_token(gather_vocab(logits, cfg.sharding), state.lengths, ends, sp, pen, K)
+    return state, tok, lp, top_ids, top_lp, (last_h if mtp else None), pen
+
+
+def _first_token(logits, lengths, ends, sp: SamplingParams, pen: Penalties | None, K: int):
+    """The first token of each row at its last prompt position (as `generate` samples it), its logprob and top-K
+    alternatives, and the penalties' counts with it for the rows that `ends`."""
+    tok = sample(penalised(logits, pen), sp, lengths)
     lp, top_ids, top_lp = token_logprobs(logits, tok, K)
-    return state, tok, lp, top_ids, top_lp, (last_h if mtp else None), counted(pen, tok, ends)
+    return tok, lp, top_ids, top_lp, counted(pen, tok, ends)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "K"), donate_argnames=("state",))
@@ -65,6 +71,4 @@ def replay_end(params, state, keep, first, window_from, ends, sp: SamplingParams
     first = jnp.where(ends, first, state.lengths)
     y, _, state = replay41(params, state, keep, first, jnp.where(ends, window_from, state.lengths), cfg=cfg)
     logits = gather_vocab(last_logits(params, cfg, y, state.lengths, first), cfg.sharding)
-    tok = sample(penalised(logits, pen), sp, state.lengths)
-    lp, top_ids, top_lp = token_logprobs(logits, tok, K)
-    return state, tok, lp, top_ids, top_lp, counted(pen, tok, ends)
+    return (state, *_first_token(logits, state.lengths, ends, sp, pen, K))
