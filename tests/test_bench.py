@@ -273,3 +273,27 @@ def test_loop_rig_times_dspark_on_a_v41_slice(v41_slice):
     b0 = roofline.step_bytes(model.cfg, batch=1, T=3, ctx=40)
     b2 = roofline.step_bytes(model.cfg, batch=1, T=3, ctx=40, k_draft=2)
     assert b2["draft"] > roofline._bytes(roofline.describe(model.cfg).head) and b0["draft"] == 0
+
+
+def test_step_acceptance_lengths_from_prefix_counts():
+    """The H200 run of dsjax-small (651 steps, 2,349 drafts accepted at positions 573/516/459/432/369): the
+    per-step lengths add up to the committed tokens, their median is read off the counts; a count that is not a
+    prefix count is refused."""
+    from dsjax.bench.repro import step_acceptance_lengths
+
+    lengths = step_acceptance_lengths([573, 516, 459, 432, 369], 651)
+    assert lengths.size == 651 and lengths.sum() == 651 + 2349
+    assert (lengths == 6).sum() == 369 and (lengths == 1).sum() == 651 - 573
+    assert float(np.percentile(lengths, 50)) == 6.0 and lengths.min() == 1
+    with pytest.raises(ValueError, match="prefix"):
+        step_acceptance_lengths([3, 5], 10)
+
+
+def test_repro_says_when_the_checkpoint_is_too_short():
+    from dsjax.bench import repro
+    from dsjax.cli import build_parser
+    from dsjax.errors import ConfigError
+
+    args = build_parser().parse_args(["bench", "repro", "--model", "dsjax-small", "--max-new-tokens", "5142"])
+    with pytest.raises(ConfigError, match="smaller --max-new-tokens"):
+        repro.run(args)
