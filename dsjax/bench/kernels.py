@@ -344,9 +344,34 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
         del lins
 
 
+# ----------------------------------------------------------------------------- dense quantised linear
+
+LINEAR_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "shared_w1": (2048, 4096)}
+
+
+def bench_linear(emit, sweep: bool, smoke: bool = False):
+    """V4-Flash's FP8 projections at decode (1, 8, 32 rows) and a prefill chunk (1,024 rows): the stored-format
+    kernel vs XLA's dequantise-then-matmul (issue 9: the dequantised copy was 11% of a decode step)."""
+    from dsjax.kernels.quant_linear import quant_linear
+
+    shapes = {"smoke": (128, 256)} if smoke else LINEAR_SHAPES
+    configs = [{}] + ([dict(block_o=bo, num_warps=w) for bo in (32, 64, 128) for w in (4, 8)] if sweep else [])
+    for name, (out, inn) in shapes.items():
+        w = expert_stack(jax.random.key(3), 1, out, inn, "fp8")
+        w = Linear(w.weight[0], w.scale[0], w.fmt, w.block)
+        for n in ((1, 8) if smoke else (1, 8, 32, 1024)):
+            x = jax.random.normal(jax.random.key(n), (n, inn), jnp.bfloat16)
+            run = lambda impl, **o: jax.jit(functools.partial(quant_linear, act_quant_sim=True,  # noqa: E731
+                                                              implementation=impl, **o))
+            nbytes = w.weight.nbytes + w.scale.nbytes + x.nbytes + n * out * 2
+            side_by_side(emit, run, (x, w), dict(op="quant_linear", weight=name, fmt="fp8", tokens=n,
+                                                 flops=2 * n * out * inn), nbytes, configs if n <= 32 else [{}])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="moe,mqa,indexer,chunk,mhc", help="comma-separated: moe, mqa, indexer, chunk, mhc")
+    p.add_argument("--ops", default="moe,mqa,indexer,chunk,mhc,linear",
+                   help="comma-separated: moe, mqa, indexer, chunk, mhc, linear")
     p.add_argument("--sweep", action="store_true", help="also time a grid of kernel block sizes")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
@@ -378,7 +403,8 @@ def main(argv=None) -> int:
     emit(head)
     moe = functools.partial(bench_moe, fmts=tuple(args.moe_formats.split(",")),
                             only_tokens={int(t) for t in args.moe_tokens.split(",") if t})
-    bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc}
+    bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc,
+             "linear": bench_linear}
     for op in args.ops.split(","):
         bench[op](emit, args.sweep, args.smoke)
     return 0

@@ -2,7 +2,7 @@
 
 Outside the kernels (XLA, small): each token's picks sorted by expert, repeated picks merged, pairs with weight 0
 (picks held by another expert-parallel shard) dropped, the rest sorted by expert and cut into tiles of at most
-`block_m` pairs of one expert (`tile_map`). Two grouped-GEMM kernels (`_grouped_matmul`) then read each tile's
+`block_m` pairs of one expert (`tile_map`). Two grouped-GEMM kernels (`grouped_matmul`) then read each tile's
 expert weights once, straight from the stored format (bf16, FP8 e4m3 + ue8m0 blocks, packed FP4 + per-32 ue8m0),
 codes converted in registers, the power-of-two block scale applied to the products (FP8) or to the decoded values
 (FP4, read as 32-bit words of 8 codes) (`common.weight_pieces`):
@@ -51,7 +51,7 @@ def tile_map(key, n_experts: int, block_m: int):
     return order, tiles.astype(jnp.int32)
 
 
-def _chunk(fmt: str, block: int, block_k: int) -> int:
+def k_chunk(fmt: str, block: int, block_k: int) -> int:
     return min(block_k, block) if fmt == "fp8" else max(block_k, block) if fmt == "fp4" else block_k
 
 
@@ -96,7 +96,7 @@ def k_splits(programs: int, chunks: int, target: int) -> int:
     return ks
 
 
-def _grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: int, bk: int, block_m: int, dt,
+def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: int, bk: int, block_m: int, dt,
                     params, interpret, target: int):
     """fp32 partial products [splits, P_pad, n_out] per Linear of lin_list (same format, same input) for every
     tile's pairs: grid (tiles, n_out / block_o, splits of the contraction). Pair p reads input row
@@ -163,13 +163,13 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     tok = jnp.pad((order // k).astype(jnp.int32), (0, block_m))   # padded: a tile's rows never run past the buffers
     xq = quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x
 
-    g, u = _grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, _chunk(w1.fmt, w1.block, block_k),
+    g, u = grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, k_chunk(w1.fmt, w1.block, block_k),
                            **common)
     g, u = (round_bf(sum_in_order(a, axis=0), dt) for a in (g, u))
     h = (_moe.swiglu(g, u, swiglu_limit) * jnp.pad(pw[order], (0, block_m))[:, None]).astype(dt)
     if act_quant_sim:
         h = quant.fp8_e4m3_sim(h, act_quant_block)
-    (y,) = _grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, _chunk(w2.fmt, w2.block, block_k),
+    (y,) = grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, k_chunk(w2.fmt, w2.block, block_k),
                            **common)
     y_sorted = sum_in_order(y, axis=0).astype(dt)
     kept = key[order] < E                           # dropped pairs were never written

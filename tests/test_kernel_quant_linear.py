@@ -1,0 +1,95 @@
+"""dsjax.kernels.quant_linear: the xla path (the model's `dsjax.layers.linear`) and the Pallas kernel (the HLO
+interpreter on CPU; its buffers start as NaN, so an unwritten row shows) vs the reference, for bf16, FP8 with
+V4's 128 x 128 and V4.1's 32 x 32 scale blocks and packed FP4 weights, at decode (1 row, split-K) and prefill
+(40 rows: a partial row tile) and with a batch of leading dims; the kernel lowers for the H200 at V4-Flash's
+projection shapes.
+
+Tolerance: every path accumulates the same exact products (power-of-two scales, e4m3/e2m1 codes: exact in fp32)
+in fp32 in a different order, then rounds once to bf16. Orders differ by ~1e-7 relative; a result can only land
+on the other side of a bf16 rounding boundary, i.e. one bf16 ulp (≤ 2^-7 of its value) apart, and only rarely:
+we allow 1 ulp everywhere and require ≥ 99% of the outputs to be identical. A wrong block scale, a mis-decoded
+nibble or a lost split is off by far more.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lower_h200 import lower_for_h200
+
+from dsjax import quant
+from dsjax.kernels.quant_linear import quant_linear
+from dsjax.weights import Linear
+
+OUT, IN = 256, 512
+
+
+def _weight(key, fmt, out=OUT, inn=IN):
+    w = jax.random.normal(key, (out, inn), jnp.float32) * 0.05
+    if fmt in ("fp8", "fp8b32"):
+        b = 32 if fmt == "fp8b32" else 128
+        return Linear(*quant.quantize_fp8_blocks(w, (b, b)), "fp8", b)
+    if fmt == "fp4":
+        return Linear(*quant.quantize_fp4_packed(w, 32), "fp4", 32)
+    return Linear(w.astype(jnp.bfloat16), None, "bf16", 128)
+
+
+def _close(got, want, what):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape and np.isfinite(got).all(), what
+    ulp = np.float32(2.0 ** -7) * np.maximum(np.abs(want), np.float32(2.0 ** -126))
+    worst = float(np.max(np.abs(got - want) / ulp))
+    same = float(np.mean(got == want))
+    print(f"{what}: worst {worst:.2f} bf16 ulp, identical {same:.4f}")
+    assert worst <= 1.0 and same >= 0.99, what
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8b32", "fp4"])
+def test_paths_match_the_reference(test_seed, fmt):
+    k = jax.random.split(jax.random.key(test_seed), 4)
+    w = _weight(k[0], fmt)
+    for lead, aq in (((1,), False), ((40,), True), ((2, 3), False)):
+        x = jax.random.normal(k[1], (*lead, IN), jnp.float32).astype(jnp.bfloat16)
+        want = quant_linear(x, w, act_quant_sim=aq, implementation="reference")
+        assert want.dtype == jnp.bfloat16 and want.shape == (*lead, OUT)
+        _close(quant_linear(x, w, act_quant_sim=aq, implementation="xla"), want, f"xla {fmt} {lead} aq={aq}")
+        got = quant_linear(x, w, act_quant_sim=aq, implementation="pallas", interpret=True)
+        _close(got, want, f"pallas {fmt} {lead} aq={aq}")
+
+
+def test_decode_splits_the_contraction(test_seed):
+    """One row: the kernel splits K (out / block_o programs alone cannot fill a GPU); the split partials must
+    add up to the whole contraction."""
+    from dsjax.kernels.moe_gemm.pallas_triton import k_splits
+
+    assert k_splits(OUT // 64, IN // 128, 8 * 132) == 4
+    k = jax.random.split(jax.random.key(test_seed + 1), 2)
+    w = _weight(k[0], "fp8")
+    x = jax.random.normal(k[1], (1, IN), jnp.float32).astype(jnp.bfloat16)
+    want = quant_linear(x, w, implementation="reference")
+    for target in (1, 8 * 132):       # no split vs 4 splits
+        _close(quant_linear(x, w, implementation="pallas", interpret=True, target_programs=target), want,
+               f"target {target}")
+
+
+def test_bad_inputs_are_refused():
+    w = _weight(jax.random.key(0), "fp8")
+    with pytest.raises(ValueError, match="bf16 compute only"):
+        quant_linear(jnp.zeros((1, IN), jnp.float32), w, implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match="multiple of block_o"):
+        quant_linear(jnp.zeros((1, IN), jnp.bfloat16), _weight(jax.random.key(0), "fp8", out=96),
+                     implementation="pallas", interpret=True)
+    with pytest.raises(ValueError, match="implementation"):
+        quant_linear(jnp.zeros((1, IN), jnp.bfloat16), w, implementation="cuda")
+
+
+@pytest.mark.parametrize("shape", [(1024, 4096), (32768, 1024)])   # V4-Flash wq_a, wq_b
+def test_lowers_for_the_h200_at_v4_flash_shapes(shape):
+    from dsjax.kernels.quant_linear import pallas_triton
+    S = jax.ShapeDtypeStruct
+    out, inn = shape
+    w = Linear(S((out, inn), jnp.float8_e4m3fn), S((out // 128, inn // 128), jnp.uint8), "fp8", 128)
+    f = lambda x, w: pallas_triton.quant_linear(x, w, act_quant_sim=True, act_quant_block=128,  # noqa: E731
+                                                interpret=False)
+    assert lower_for_h200(f, S((1, inn), jnp.bfloat16), w).count("xla.gpu.triton") == 1
