@@ -297,3 +297,23 @@ def test_repro_says_when_the_checkpoint_is_too_short():
     args = build_parser().parse_args(["bench", "repro", "--model", "dsjax-small", "--max-new-tokens", "5142"])
     with pytest.raises(ConfigError, match="smaller --max-new-tokens"):
         repro.run(args)
+
+
+def test_prefill_plot_and_merged_projection(tmp_path):
+    """Two runs' rows merge by prompt length and the 1M fit is redone through all full-model points: with exact
+    t = 1e-4·S + 1e-9·S² the fit returns those coefficients; the PNG is written."""
+    from dsjax.bench import prefill_plot
+
+    def report(lengths):
+        rows = [{"tokens": n, "slice4": {"s": 1e-5 * n, "tokens_per_s": 1e5},
+                 "full_extrapolated": {"s": 1e-4 * n + 1e-9 * n * n, "tokens_per_s": n / (1e-4 * n + 1e-9 * n * n)}}
+                for n in lengths]
+        return {"config": "v4-flash-slice4x256", "machine": "cpu x1", "date": "2026-12-01", "rows": rows,
+                "one_million": None, "rival": {"engine": "rival", "one_million_s": 11.7}}
+
+    merged = prefill_plot.merge([report([8192, 65536]), report([131072])])
+    assert [r["tokens"] for r in merged["rows"]] == [8192, 65536, 131072]
+    fit = merged["one_million"]["exact"]["fit"]
+    assert fit["a_s_per_token"] == pytest.approx(1e-4, rel=1e-6) and fit["b_s_per_token2"] == pytest.approx(1e-9, rel=1e-6)
+    path = prefill_plot.plot_prefill(merged, str(tmp_path / "p.png"))
+    assert path and os.path.getsize(path) > 10_000
