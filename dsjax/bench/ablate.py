@@ -227,11 +227,10 @@ def write_tables_and_plots(out_dir: str) -> str:
 
 
 def _plot(d: dict, out_dir: str) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from dsjax.bench.report import pyplot
+
+    plt = pyplot()
+    if plt is None:
         return None
     axis = d["axis"]
     xs = [str(r[axis]) for r in d["points"]]

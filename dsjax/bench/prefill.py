@@ -182,14 +182,13 @@ def run(args) -> int:
         projection = {sch: one_million(rows, full_key(sch), full.name) for sch in schedules}
         if cfg.family != "v4.1":
             projection = projection["exact"]
-    write_report("prefill", None, args.out, model=model.source, config=cfg.name, roofline=roof, rows=rows,
-                 schedules=schedules, one_million=projection,
-                 rival={"engine": "rival (V4.1-Flash, 8xB300)", "one_million_s": 11.7, "tokens_per_s": 85000})
+    report = write_report("prefill", None, args.out, model=model.source, config=cfg.name, roofline=roof, rows=rows,
+                          schedules=schedules, one_million=projection,
+                          rival={"engine": "rival (V4.1-Flash, 8xB300)", "one_million_s": 11.7, "tokens_per_s": 85000})
     if args.out:
         from dsjax.bench.prefill_plot import plot_prefill
 
-        with open(args.out) as f:
-            png = plot_prefill(json.load(f), args.out.rsplit(".json", 1)[0] + ".png")
+        png = plot_prefill(report, args.out.rsplit(".json", 1)[0] + ".png")
         if png:
             print(f"wrote {png}", file=sys.stderr)
     return 0

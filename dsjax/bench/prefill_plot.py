@@ -30,11 +30,10 @@ def series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 def plot_prefill(report: dict, path: str) -> str | None:
     """PNG at `path` (None when matplotlib is missing)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from dsjax.bench.report import pyplot
+
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, pts in series(report["rows"]).items():

@@ -47,3 +47,15 @@ def script_main(module_name: str, argv=None) -> int:
     p = argparse.ArgumentParser(description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_args(p)
     return mod.run(p.parse_args(argv))
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed (reports then
+    carry their tables and JSON only)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
