@@ -52,6 +52,20 @@ class Linear:
     block: int
 
 
+def stored_linear(w, fmt: str, block: int) -> Linear:
+    """Float weights [.., out, in] as a Linear in `fmt`: 'fp8' (block x block scales), 'fp4' (per-`block` scales
+    along in) or 'bf16' — the checkpoint's formats, for random test and benchmark weights."""
+    from dsjax import quant
+
+    if fmt == "fp8":
+        return Linear(*quant.quantize_fp8_blocks(jnp.asarray(w, jnp.float32), (block, block)), "fp8", block)
+    if fmt == "fp4":
+        return Linear(*quant.quantize_fp4_packed(jnp.asarray(w, jnp.float32), block), "fp4", block)
+    if fmt == "bf16":
+        return Linear(jnp.asarray(w, jnp.bfloat16), None, "bf16", block)
+    raise ValueError(f"stored_linear: fmt must be fp8, fp4 or bf16, got {fmt!r}")
+
+
 @pytree
 class Compressor:
     ape: Any          # f32 [ratio, c*d]

@@ -11,24 +11,18 @@ import numpy as np
 import pytest
 
 from lower_h200 import lower_for_h200
+from weight_formats import BLOCKS
 
-from dsjax import quant
 from dsjax.kernels.moe_gemm import moe_gemm
 from dsjax.layers.moe import routed_experts_dense
-from dsjax.weights import Linear
+from dsjax.weights import Linear, stored_linear
 
 E, D, I, K = 8, 256, 256, 3          # scaled down from 256 experts x (7168 -> 2048), top-6
 LIMIT = 1.0                          # the clamp bites: gate/up values are ~N(0, 0.8)
 
 
 def _stack(key, out, inn, fmt):
-    w = jax.random.normal(key, (E, out, inn), jnp.float32) * 0.05
-    if fmt in ("fp8", "fp8b32"):                             # V4: 128x128 scale blocks, V4.1: 32x32
-        b = 32 if fmt == "fp8b32" else 128
-        return Linear(*quant.quantize_fp8_blocks(w, (b, b)), "fp8", b)
-    if fmt == "fp4":
-        return Linear(*quant.quantize_fp4_packed(w, 32), "fp4", 32)
-    return Linear(w.astype(jnp.bfloat16), None, "bf16", 128)
+    return stored_linear(jax.random.normal(key, (E, out, inn), jnp.float32) * 0.05, *BLOCKS[fmt])
 
 
 def _case(seed, fmt, n):

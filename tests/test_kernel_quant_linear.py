@@ -17,22 +17,16 @@ import numpy as np
 import pytest
 
 from lower_h200 import lower_for_h200
+from weight_formats import BLOCKS
 
-from dsjax import quant
 from dsjax.kernels.quant_linear import quant_linear
-from dsjax.weights import Linear
+from dsjax.weights import Linear, stored_linear
 
 OUT, IN = 256, 512
 
 
 def _weight(key, fmt, out=OUT, inn=IN):
-    w = jax.random.normal(key, (out, inn), jnp.float32) * 0.05
-    if fmt in ("fp8", "fp8b32"):
-        b = 32 if fmt == "fp8b32" else 128
-        return Linear(*quant.quantize_fp8_blocks(w, (b, b)), "fp8", b)
-    if fmt == "fp4":
-        return Linear(*quant.quantize_fp4_packed(w, 32), "fp4", 32)
-    return Linear(w.astype(jnp.bfloat16), None, "bf16", 128)
+    return stored_linear(jax.random.normal(key, (out, inn), jnp.float32) * 0.05, *BLOCKS[fmt])
 
 
 def _close(got, want, what):

@@ -33,7 +33,7 @@ from dsjax.bench.report import run_info
 from dsjax.bench.roofline import torch_roofline
 from dsjax.kernels import chunk_attention, indexer_topk, mhc_sinkhorn, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
-from dsjax.weights import Linear
+from dsjax.weights import stored_linear
 
 
 def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:
@@ -300,11 +300,7 @@ def bench_indexer(emit, sweep: bool, smoke: bool = False):
 def expert_stack(key, E, out, inn, fmt):
     """Random expert weights drawn on the device, stored as the checkpoint stores them."""
     w = jax.random.normal(key, (E, out, inn), jnp.bfloat16) * 0.02
-    if fmt == "fp8":
-        return Linear(*quant.quantize_fp8_blocks(w.astype(jnp.float32), (128, 128)), "fp8", 128)
-    if fmt == "fp4":
-        return Linear(*quant.quantize_fp4_packed(w.astype(jnp.float32), 32), "fp4", 32)
-    return Linear(w, None, "bf16", 128)
+    return stored_linear(w, fmt, 32 if fmt == "fp4" else 128)
 
 
 def moe_bytes(lins, n_distinct: int) -> int:
@@ -357,8 +353,7 @@ def bench_linear(emit, sweep: bool, smoke: bool = False):
     shapes = {"smoke": (128, 256)} if smoke else LINEAR_SHAPES
     configs = [{}] + ([dict(block_o=bo, num_warps=w) for bo in (32, 64, 128) for w in (4, 8)] if sweep else [])
     for name, (out, inn) in shapes.items():
-        w = expert_stack(jax.random.key(3), 1, out, inn, "fp8")
-        w = Linear(w.weight[0], w.scale[0], w.fmt, w.block)
+        w = stored_linear(jax.random.normal(jax.random.key(3), (out, inn), jnp.bfloat16) * 0.02, "fp8", 128)
         for n in ((1, 8) if smoke else (1, 8, 32, 1024)):
             x = jax.random.normal(jax.random.key(n), (n, inn), jnp.bfloat16)
             run = lambda impl, **o: jax.jit(functools.partial(quant_linear, act_quant_sim=True,  # noqa: E731
