@@ -84,6 +84,5 @@ def test_lowers_for_the_h200_at_v4_flash_shapes(shape):
     S = jax.ShapeDtypeStruct
     out, inn = shape
     w = Linear(S((out, inn), jnp.float8_e4m3fn), S((out // 128, inn // 128), jnp.uint8), "fp8", 128)
-    f = lambda x, w: pallas_triton.quant_linear(x, w, act_quant_sim=True, act_quant_block=128,  # noqa: E731
-                                                interpret=False)
+    f = lambda x, w: pallas_triton.quant_linear(x, w, interpret=False)  # noqa: E731
     assert lower_for_h200(f, S((1, inn), jnp.bfloat16), w).count("xla.gpu.triton") == 1

@@ -5,6 +5,7 @@ V4-Flash decode step's kernel time in the H200 profile, docs/benchmarks.md, issu
 stored codes once and applies the block scales in registers.
 """
 
+from dsjax import quant
 from dsjax.kernels.common import check_implementation
 from dsjax.kernels.quant_linear import pallas_triton, reference, xla
 
@@ -25,9 +26,10 @@ def quant_linear(x, w, *, act_quant_sim: bool = False, act_quant_block: int = 12
     interpret) go to the Pallas kernel only.
     """
     impl = check_implementation(implementation)
-    opts = dict(act_quant_sim=act_quant_sim, act_quant_block=act_quant_block)
+    if act_quant_sim and w.fmt in ("fp8", "fp4"):
+        x = quant.fp8_e4m3_sim(x, act_quant_block)   # the same rounding for every backend
     if impl == "reference":
-        return reference.quant_linear(x, w, **opts)
+        return reference.quant_linear(x, w)
     if impl == "xla":
-        return xla.quant_linear(x, w, **opts)
-    return pallas_triton.quant_linear(x, w, **opts, **kernel_options)
+        return xla.quant_linear(x, w)
+    return pallas_triton.quant_linear(x, w, **kernel_options)

@@ -8,7 +8,6 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dsjax import quant
 from dsjax.kernels.common import round_bf, triton_interpret, triton_params
 from dsjax.kernels.moe_gemm.pallas_triton import grouped_matmul, k_chunk
 from dsjax.numerics import sum_in_order
@@ -19,9 +18,8 @@ def one_group(w):
     return dataclasses.replace(w, weight=w.weight[None], scale=None if w.scale is None else w.scale[None])
 
 
-def quant_linear(x, w, *, act_quant_sim: bool, act_quant_block: int, block_m: int | None = None,
-                 block_o: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                 target_programs: int = 8 * 132, interpret=None):
+def quant_linear(x, w, *, block_m: int | None = None, block_o: int | None = None, block_k: int = 128,
+                 num_warps: int = 4, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None):
     """Row tiles of 16 up to 64 rows, 32 beyond; output tiles of 32 rows for FP4 at decode, 64 otherwise (the
     routed-expert kernel's H200 choices, docs/benchmarks.md; this op's own sweep is pending)."""
     dt = x.dtype
@@ -37,8 +35,6 @@ def quant_linear(x, w, *, act_quant_sim: bool, act_quant_block: int, block_m: in
     if n_out % block_o or n_in % bk:
         raise ValueError(f"quant_linear pallas: out {n_out} must be a multiple of block_o {block_o} and in {n_in} "
                          f"of the contraction chunk {bk}")
-    if act_quant_sim and w.fmt in ("fp8", "fp4"):
-        x2 = quant.fp8_e4m3_sim(x2, act_quant_block)
     T = -(-M // block_m)
     xp = jnp.pad(x2, ((0, T * block_m - M), (0, 0)))
     t = jnp.arange(T, dtype=jnp.int32)
