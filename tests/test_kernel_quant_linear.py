@@ -4,11 +4,13 @@ V4's 128 x 128 and V4.1's 32 x 32 scale blocks and packed FP4 weights, at decode
 (40 rows: a partial row tile) and with a batch of leading dims; the kernel lowers for the H200 at V4-Flash's
 projection shapes.
 
-Tolerance: every path accumulates the same exact products (power-of-two scales, e4m3/e2m1 codes: exact in fp32)
-in fp32 in a different order, then rounds once to bf16. Orders differ by ~1e-7 relative; a result can only land
-on the other side of a bf16 rounding boundary, i.e. one bf16 ulp (≤ 2^-7 of its value) apart, and only rarely:
-we allow 1 ulp everywhere and require ≥ 99% of the outputs to be identical. A wrong block scale, a mis-decoded
-nibble or a lost split is off by far more.
+Tolerance: every path sums the same exact products (power-of-two scales, e4m3/e2m1 codes: exact in fp32) in fp32
+in a different order, then rounds once to bf16. Two fp32 orders of n terms each lie within n·2^-24·Σ|x_k·w_k| of
+the exact sum (the standard summation bound), so the rounded results differ by at most that twice plus one bf16
+ulp of the larger (≤ 2^-7 of it). The summation term matters only where the sum cancels to well below its
+terms (~3e-5 of Σ|x·w| here: a seed in CI found an output 1.2 ulps apart, a cancelled one); we also require
+≥ 99% of the outputs to be identical. A wrong block scale, a mis-decoded nibble or a lost split is off by a
+sizeable fraction of the output and fails both.
 """
 
 import jax
@@ -19,6 +21,7 @@ import pytest
 from lower_h200 import lower_for_h200
 from weight_formats import BLOCKS
 
+from dsjax.kernels.common import dequant_weight
 from dsjax.kernels.quant_linear import quant_linear
 from dsjax.weights import Linear, stored_linear
 
@@ -29,13 +32,17 @@ def _weight(key, fmt, out=OUT, inn=IN):
     return stored_linear(jax.random.normal(key, (out, inn), jnp.float32) * 0.05, *BLOCKS[fmt])
 
 
-def _close(got, want, what):
+def _close(got, want, what, x, w):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert got.shape == want.shape and np.isfinite(got).all(), what
-    ulp = np.float32(2.0 ** -7) * np.maximum(np.abs(want), np.float32(2.0 ** -126))
-    worst = float(np.max(np.abs(got - want) / ulp))
+    dense = np.abs(np.asarray(dequant_weight(w.weight, w.scale, w.fmt, w.block), np.float64))
+    terms = np.abs(np.asarray(x, np.float64)) @ dense.T * 1.07   # Σ|x_k·w_k|; FP8 fake quant moves x ≤ 2^-4
+    ulp = 2.0 ** -7 * np.maximum(np.maximum(np.abs(got), np.abs(want)), 2.0 ** -126)
+    tol = ulp + 2 * IN * 2.0 ** -24 * terms
+    worst = float(np.max(np.abs(got - want) / tol))
     same = float(np.mean(got == want))
-    print(f"{what}: worst {worst:.2f} bf16 ulp, identical {same:.4f}")
+    print(f"{what}: worst {worst:.2f} of the bound, {float(np.max(np.abs(got - want) / ulp)):.2f} bf16 ulp, "
+          f"identical {same:.4f}")
     assert worst <= 1.0 and same >= 0.99, what
 
 
@@ -47,9 +54,9 @@ def test_paths_match_the_reference(test_seed, fmt):
         x = jax.random.normal(k[1], (*lead, IN), jnp.float32).astype(jnp.bfloat16)
         want = quant_linear(x, w, act_quant_sim=aq, implementation="reference")
         assert want.dtype == jnp.bfloat16 and want.shape == (*lead, OUT)
-        _close(quant_linear(x, w, act_quant_sim=aq, implementation="xla"), want, f"xla {fmt} {lead} aq={aq}")
+        _close(quant_linear(x, w, act_quant_sim=aq, implementation="xla"), want, f"xla {fmt} {lead} aq={aq}", x, w)
         got = quant_linear(x, w, act_quant_sim=aq, implementation="pallas", interpret=True)
-        _close(got, want, f"pallas {fmt} {lead} aq={aq}")
+        _close(got, want, f"pallas {fmt} {lead} aq={aq}", x, w)
 
 
 def test_decode_splits_the_contraction(test_seed):
@@ -64,7 +71,7 @@ def test_decode_splits_the_contraction(test_seed):
     want = quant_linear(x, w, implementation="reference")
     for target in (1, 8 * 132):       # no split vs 4 splits
         _close(quant_linear(x, w, implementation="pallas", interpret=True, target_programs=target), want,
-               f"target {target}")
+               f"target {target}", x, w)
 
 
 def test_bad_inputs_are_refused():
