@@ -317,3 +317,17 @@ def test_prefill_plot_and_merged_projection(tmp_path):
     assert fit["a_s_per_token"] == pytest.approx(1e-4, rel=1e-6) and fit["b_s_per_token2"] == pytest.approx(1e-9, rel=1e-6)
     path = prefill_plot.plot_prefill(merged, str(tmp_path / "p.png"))
     assert path and os.path.getsize(path) > 10_000
+
+
+def test_kernels_bench_times_the_linear_kernel_inside_one_dispatch(tmp_path):
+    """`bench kernels --ops linear --smoke`: the stored-format kernel (HLO interpreter here) beside XLA, timed per
+    call inside one jitted loop (a projection is shorter than a dispatch), with its output equal to XLA's."""
+    from dsjax.bench import kernels
+
+    out = tmp_path / "k.jsonl"
+    assert kernels.main(["--ops", "linear", "--smoke", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert {(r["impl"], r["tokens"]) for r in recs} == {(i, n) for i in ("xla", "pallas") for n in (1, 8)}, recs
+    assert all(r["timing"] == "device loop" and r["us"] > 0 and "error" not in r for r in recs), recs
+    # both round an fp32 sum to bf16: summation order may flip one rounding, ≤ one bf16 ulp (2^-7 relative)
+    assert all(r["rel_diff_vs_xla"] <= 2.0 ** -7 for r in recs if r["impl"] == "pallas"), recs

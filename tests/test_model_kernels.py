@@ -40,6 +40,9 @@ def test_attention_layers_match_xla(models, test_seed, T):
         want, got = (np.asarray(attention(x, w, cfg.replace(kernels=k), i, st.layers[i], start, n)[0], np.float32)
                      for k in ("xla", "pallas"))
         np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * np.abs(want).max(), err_msg=f"layer {i}")
+    linears = kernel_choice.choices()["quant_linear"]    # the projections: the stored-format kernel at a verify block
+    assert any(f"kernels=pallas rows={2 * T} chunk={T} " in c and c.endswith(f"-> {'xla' if T > 16 else 'pallas'}")
+               for c in linears), linears
 
 
 def test_moe_layer_matches_xla(models, test_seed):
@@ -66,6 +69,11 @@ def test_choices_are_reported(models, caplog):
     assert sum("sparse_mqa: kernels=pallas rows=977 chunk=1" in r.getMessage() for r in caplog.records) == 1
     assert "kernels=pallas rows=977 chunk=1 dtype=bfloat16 fmt=None -> pallas" in kernel_choice.choices()["sparse_mqa"]
     assert kernel_choice.choose(cfg.replace(kernels="auto"), "moe_gemm", rows=8, dtype=jnp.bfloat16, fmt="fp4") == "xla"
+    # the stored-format linear is a decode / verify kernel: prefill chunks keep XLA's GEMM even under "pallas"
+    assert kernel_choice.choose(cfg, "quant_linear", rows=12, chunk=6, dtype=jnp.bfloat16, fmt="fp8") == "pallas"
+    assert kernel_choice.choose(cfg, "quant_linear", rows=2048, chunk=1024, dtype=jnp.bfloat16, fmt="fp8") == "xla"
+    assert kernel_choice.choose(cfg, "quant_linear", rows=12, chunk=6, dtype=jnp.bfloat16, fmt="fp8",
+                                sharded=True) == "xla"
     # a cache the Triton lowering cannot address (over 2^31 one-byte elements within 2^32 bytes): XLA, even when
     # the kernels are asked for — V4.1's 288-byte FP4 rows at 1M entries x 8 slots; 16 slots are past 2^32 bytes
     rows = lambda slots: jax.ShapeDtypeStruct((slots, 1 << 20, 288), jnp.uint8)  # noqa: E731

@@ -49,6 +49,21 @@ def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:
     return best * 1e6
 
 
+def time_us_looped(fn, *args, repeat: int = 100, rounds: int = 3) -> float:
+    """Device time per call of a small op: `repeat` calls inside one jitted loop (one dispatch, so the host's
+    ~20-60 µs per dispatch drops out, as in the model's device-resident step). Each call's first input takes
+    0 x the last output's first element, so no call can be hoisted out of the loop."""
+
+    def body(rest, i, carry):
+        x, link = carry
+        y = jax.tree.leaves(fn(x + link.astype(x.dtype), *rest))[0]
+        return x, y.ravel()[0].astype(jnp.float32) * 0.0
+
+    looped = jax.jit(lambda x, *rest: jax.lax.fori_loop(0, repeat, functools.partial(body, rest),
+                                                        (x, jnp.float32(0.0)))[1])
+    return time_us(looped, *args, calls=1, rounds=rounds) / repeat
+
+
 def rel_diff(a, b) -> float:
     """max |a - b| / max |b| (tuples of outputs: over all of them)."""
     flat = lambda x: np.concatenate([np.ravel(np.asarray(y, np.float32)) for y in jax.tree.leaves(x)])  # noqa: E731
@@ -56,18 +71,18 @@ def rel_diff(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def side_by_side(emit, run, args, base: dict, nbytes: int, configs):
+def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us):
     """Time run("xla") and run("pallas", **config) per config on the same inputs; emit one record each, the
     Pallas ones with their difference from XLA's output. A config that fails to compile is reported, not fatal."""
     xla_fn = run("xla")
     want = xla_fn(*args)
-    t_xla = time_us(xla_fn, *args)
+    t_xla = timer(xla_fn, *args)
     emit(dict(base, impl="xla", us=t_xla, bytes=nbytes))
     for opts in configs:
         try:
             fn = run("pallas", **opts)
             err = rel_diff(fn(*args), want)
-            emit(dict(base, impl="pallas", options=opts, us=time_us(fn, *args), bytes=nbytes, rel_diff_vs_xla=err,
+            emit(dict(base, impl="pallas", options=opts, us=timer(fn, *args), bytes=nbytes, rel_diff_vs_xla=err,
                       xla_us=t_xla))
         except Exception as e:  # noqa: BLE001
             emit(dict(base, impl="pallas", options=opts, error=repr(e)[:500]))
@@ -346,21 +361,25 @@ LINEAR_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096)
 
 
 def bench_linear(emit, sweep: bool, smoke: bool = False):
-    """V4-Flash's FP8 projections at decode (1, 8, 32 rows) and a prefill chunk (1,024 rows): the stored-format
-    kernel vs XLA's dequantise-then-matmul (issue 9: the dequantised copy was 11% of a decode step)."""
+    """V4-Flash's projections in FP8 (128x128 blocks, V4; 32x32, V4.1's format) at decode (1, 8, 32 rows) and a
+    prefill chunk (1,024 rows): the stored-format kernel vs XLA's dequantise-then-matmul (issue 9: the
+    dequantised copy was 11% of a decode step). Device time (`time_us_looped`): one projection alone is shorter
+    than a dispatch."""
     from dsjax.kernels.quant_linear import quant_linear
 
     shapes = {"smoke": (128, 256)} if smoke else LINEAR_SHAPES
     configs = [{}] + ([dict(block_o=bo, num_warps=w) for bo in (32, 64, 128) for w in (4, 8)] if sweep else [])
-    for name, (out, inn) in shapes.items():
-        w = stored_linear(jax.random.normal(jax.random.key(3), (out, inn), jnp.bfloat16) * 0.02, "fp8", 128)
-        for n in ((1, 8) if smoke else (1, 8, 32, 1024)):
-            x = jax.random.normal(jax.random.key(n), (n, inn), jnp.bfloat16)
-            run = lambda impl, **o: jax.jit(functools.partial(quant_linear, act_quant_sim=True,  # noqa: E731
-                                                              implementation=impl, **o))
-            nbytes = w.weight.nbytes + w.scale.nbytes + x.nbytes + n * out * 2
-            side_by_side(emit, run, (x, w), dict(op="quant_linear", weight=name, fmt="fp8", tokens=n,
-                                                 flops=2 * n * out * inn), nbytes, configs if n <= 32 else [{}])
+    for block in ((128,) if smoke else (128, 32)):
+        for name, (out, inn) in shapes.items():
+            w = stored_linear(jax.random.normal(jax.random.key(3), (out, inn), jnp.bfloat16) * 0.02, "fp8", block)
+            for n in ((1, 8) if smoke else (1, 8, 32, 1024)):
+                x = jax.random.normal(jax.random.key(n), (n, inn), jnp.bfloat16)
+                run = lambda impl, **o: jax.jit(functools.partial(quant_linear, act_quant_sim=True,  # noqa: E731
+                                                                  act_quant_block=block, implementation=impl, **o))
+                nbytes = w.weight.nbytes + w.scale.nbytes + x.nbytes + n * out * 2
+                side_by_side(emit, run, (x, w), dict(op="quant_linear", weight=name, fmt=f"fp8-{block}", tokens=n,
+                                                     flops=2 * n * out * inn, timing="device loop"), nbytes,
+                             configs if n <= 32 else [{}], timer=time_us_looped)
 
 
 def main(argv=None) -> int:

@@ -5,11 +5,15 @@ weight, accumulating in fp32 and writing bf16. Scales are powers of two and e4m3
 fp32, so dequantise-then-matmul with fp32 accumulation equals it up to summation order.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from dsjax import quant
 from dsjax.config import ModelConfig
+from dsjax.kernel_choice import choose
+from dsjax.sharding import active_mesh
 from dsjax.weights import Linear
 from dsjax.numerics import round_to
 
@@ -45,8 +49,23 @@ def matmul(x, w, out_dtype):
 
 
 def linear(x, w: Linear, cfg: ModelConfig):
-    """y = x @ W.T in the compute dtype; FP8 activation fake-quant first when the config asks for it."""
+    """y = x @ W.T in the compute dtype; FP8 activation fake-quant first when the config asks for it. Decode and
+    verify blocks may take the stored-format kernel (`dsjax.kernels.quant_linear`, per `kernel_choice`): XLA
+    writes an FP8 weight out dequantised before each matmul, the kernel decodes it in registers."""
     cdt = x.dtype
+    if _kernel_fits(x, w) and choose(cfg, "quant_linear", rows=math.prod(x.shape[:-1]), dtype=cdt, fmt=w.fmt,
+                                     chunk=x.shape[-2] if x.ndim > 2 else 1, sharded=active_mesh() is not None
+                                     ) == "pallas":
+        from dsjax.kernels.quant_linear import quant_linear   # the kernel's xla backend imports this module
+        return quant_linear(x, w, act_quant_sim=cfg.act_quant_sim, act_quant_block=cfg.act_quant_block,
+                            implementation="pallas")
     if cfg.act_quant_sim and w.fmt in ("fp8", "fp4"):
         x = quant.fp8_e4m3_sim(x, cfg.act_quant_block)
     return matmul(x, dequantize(w, cdt), cdt)
+
+
+def _kernel_fits(x, w: Linear) -> bool:
+    """The kernel's tiles divide this weight (2-D, out a multiple of 64, in of the contraction chunk); the
+    model's shapes all do, some tiny test configs do not."""
+    from dsjax.kernels.quant_linear.pallas_triton import fits
+    return w.weight.ndim == 2 and fits(w, x.shape[-1])

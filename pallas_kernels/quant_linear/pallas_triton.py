@@ -18,6 +18,15 @@ def one_group(w):
     return dataclasses.replace(w, weight=w.weight[None], scale=None if w.scale is None else w.scale[None])
 
 
+def default_block_o(fmt: str, rows: int) -> int:
+    return 32 if fmt == "fp4" and rows <= 64 else 64
+
+
+def fits(w, n_in: int, block_o: int = 64, block_k: int = 128) -> bool:
+    """Whether the tiles divide the weight: out by block_o, in by the contraction chunk."""
+    return w.weight.shape[0] % block_o == 0 and n_in % k_chunk(w.fmt, w.block, block_k) == 0
+
+
 def quant_linear(x, w, *, block_m: int | None = None, block_o: int | None = None, block_k: int = 128,
                  num_warps: int = 4, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None):
     """Row tiles of 16 up to 64 rows, 32 beyond; output tiles of 32 rows for FP4 at decode, 64 otherwise (the
@@ -30,9 +39,9 @@ def quant_linear(x, w, *, block_m: int | None = None, block_o: int | None = None
     x2 = x.reshape(-1, n_in)
     M = x2.shape[0]
     block_m = block_m or (16 if M <= 64 else 32)
-    block_o = block_o or (32 if w.fmt == "fp4" and M <= 64 else 64)
+    block_o = block_o or default_block_o(w.fmt, M)
     bk = k_chunk(w.fmt, w.block, block_k)
-    if n_out % block_o or n_in % bk:
+    if not fits(w, n_in, block_o, block_k):
         raise ValueError(f"quant_linear pallas: out {n_out} must be a multiple of block_o {block_o} and in {n_in} "
                          f"of the contraction chunk {bk}")
     T = -(-M // block_m)
