@@ -346,7 +346,60 @@ def fp4_words(w):
     return jax.lax.bitcast_convert_type(w.reshape(w.shape[:-1] + (w.shape[-1] // 4, 4)), jnp.uint32)
 
 
-def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype):
+# FP4 -> bf16 on the GPU in a few integer ops per value (the e2m1 decode above costs ~16 and made the FP4 expert GEMM
+# ALU-bound at decode, issue 8). Nibbles p and p + 4 of a 32-bit word lie 16 bits apart, as the two halves of a
+# bf16 pair do: one shift puts both magnitudes (e1 e0 m) at bits 6-8 of their half, another both signs at bit 15.
+# Read as bf16 that is m·2^-127 for e = 0 (a subnormal) and (1 + m/2)·2^(e-127) otherwise: times 2^126, the e2m1
+# value, exactly (0 -> ±0 too). Then times the block scale (a power of two: exact). Two fma.bf16x2 per pair.
+FP4_PAIR_MAGNITUDE, FP4_PAIR_SIGN = 0x01C001C0, 0x80008000
+BF16X2_TWO_POW_126, BF16X2_NEG_ZERO = 0x7E807E80, 0x80008000
+
+
+def fp4_pair_shifts(p: int) -> tuple[int, int]:
+    """Left shifts (negative: right) moving nibble p's magnitude to bit 6 and its sign to bit 15."""
+    return 6 - 4 * p, 12 - 4 * p
+
+
+def fp4_pair_bits(words, p: int):
+    """uint32 words -> uint32: bf16 pair bits (low half nibble p, high half nibble p + 4), before the 2^126
+    multiply — the recipe `fp4_bf16_asm` runs, in jnp (tests check it for every code)."""
+    sh = lambda w, n: (w << n) if n >= 0 else (w >> -n)  # noqa: E731
+    m, s = fp4_pair_shifts(p)
+    return (sh(words, m) & jnp.uint32(FP4_PAIR_MAGNITUDE)) | (sh(words, s) & jnp.uint32(FP4_PAIR_SIGN))
+
+
+def _fp4_bf16_pair_ptx(p: int) -> str:
+    """PTX: word $1, fp32 scale $2 -> $0 = bf16 pair (nibble p low, p + 4 high) times 2^126 times the scale."""
+    m, s = fp4_pair_shifts(p)
+    shift = lambda dst, n: f"{'shl' if n >= 0 else 'shr'}.b32 {dst}, $1, {abs(n)};"  # noqa: E731
+    return "\n".join([
+        "{", ".reg .b32 fq_m, fq_s, fq_p, fq_k, fq_z, fq_c;",
+        f"mov.b32 fq_k, {BF16X2_TWO_POW_126:#010x};", f"mov.b32 fq_z, {BF16X2_NEG_ZERO:#010x};",
+        "cvt.rn.bf16x2.f32 fq_c, $2, $2;",
+        shift("fq_m", m), f"and.b32 fq_m, fq_m, {FP4_PAIR_MAGNITUDE:#010x};",
+        shift("fq_s", s), f"and.b32 fq_s, fq_s, {FP4_PAIR_SIGN:#010x};",
+        "or.b32 fq_p, fq_m, fq_s;",
+        "fma.rn.bf16x2 fq_p, fq_p, fq_k, fq_z;", "fma.rn.bf16x2 $0, fq_p, fq_c, fq_z;", "}"])
+
+
+def fp4_bf16_asm(words, scale):
+    """uint32 words [r, c] of 8 e2m1 codes (low nibble first) and their fp32 block scales [r, c] -> 8 bf16 arrays
+    [r, c], nibble position 0..7, each value times its scale. Compiled kernels only (PTX; sm_80+). One asm
+    statement per pair (the Triton lowering takes one result per statement), its result signless int32 (Triton
+    refuses an unsigned one: the H200's first run). Not yet run on a GPU: kernels take it only when asked
+    (`fp4_asm=True`)."""
+    from jax.experimental.pallas import triton as plt
+
+    out = [None] * 8
+    for p in range(4):
+        (pair,) = plt.elementwise_inline_asm(_fp4_bf16_pair_ptx(p), args=[words, scale], constraints="=r,r,f",
+                                             pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
+        half = lambda b: jax.lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.bfloat16)  # noqa: E731
+        out[p], out[p + 4] = half(pair & 0xFFFF), half(pair >> 16)
+    return out
+
+
+def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype, asm: bool = False):
     """Rows `rows` x chunk [k0, k0+bk) of expert e of a stored `Linear` stack as (input columns, values
     [len(rows), len(columns)] in dtype, scale per row fp32 or None) triples: out += (x[:, cols] · valuesᵀ) · scale.
 
@@ -354,7 +407,8 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
     the product, not the weights: exact, and one multiply per output instead of one per weight. FP4 (w_ref the
     `fp4_words` view, 8 codes a word, low nibble first): one piece per nibble position p — columns 8j + p of the
     chunk's words j, never interleaved — with each value times its block's scale (exact: a power of two times an
-    e2m1 value), so a piece may span several scale blocks and keeps a dot's contraction ≥ 16 wide."""
+    e2m1 value), so a piece may span several scale blocks and keeps a dot's contraction ≥ 16 wide. asm (compiled
+    kernels, bf16): the FP4 values come from `fp4_bf16_asm` (the same numbers in ~4 integer ops per value)."""
     r2 = rows[:, None]
     if fmt == "fp4":
         if block % 8 or bk % 8:
@@ -362,6 +416,8 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
         jw = iota(bk // 8) + k0 // 8
         words = gather(w_ref, e, r2, jw[None, :])
         scale = e8m0_to_f32(gather(s_ref, e, r2, (jw * 8 // block)[None, :]))
+        if asm and dtype == jnp.bfloat16:
+            return [(8 * jw + p, v, None) for p, v in enumerate(fp4_bf16_asm(words, scale))]
         return [(8 * jw + p, (fp4_code_to_f32((words >> (4 * p)) & 0xF) * scale).astype(dtype), None)
                 for p in range(8)]
     cols = iota(bk) + k0

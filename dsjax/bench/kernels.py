@@ -349,9 +349,13 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
                                       for bm, bo, w, st in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
                                                             (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                                             (64, 32, 4, 3), (32, 32, 4, 3))]
-            side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops), nbytes,
-                         configs if n <= 8 and fmt == "fp4" else
-                         prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
+            chosen = (configs if n <= 8 and fmt == "fp4" else
+                      prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
+            ptx_decode = [dict(fp4_asm=True)] if fmt == "fp4" else []   # the PTX FP4 decode (off by default)
+            looped = n <= 64                                             # decode: device time, not dispatch
+            side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops,
+                                               timing="device loop" if looped else "dispatches"), nbytes,
+                         chosen + ptx_decode, timer=time_us_looped if looped else time_us)
         del lins
 
 

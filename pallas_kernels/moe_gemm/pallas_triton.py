@@ -55,13 +55,13 @@ def k_chunk(fmt: str, block: int, block_k: int) -> int:
     return min(block_k, block) if fmt == "fp8" else max(block_k, block) if fmt == "fp4" else block_k
 
 
-def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int):
+def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int, asm: bool):
     """fp32 [acc_rows, len(rows)] per Linear in lin_refs (sharing one input): Σ over n_chunks chunks from
     k_lo of (x · valuesᵀ) · scale."""
 
     def step(c, accs):
         k0 = k_lo + c * bk
-        pieces = [weight_pieces(w, s, e, rows, k0, bk, lin.fmt, lin.block, dtype) for w, s in lin_refs]
+        pieces = [weight_pieces(w, s, e, rows, k0, bk, lin.fmt, lin.block, dtype, asm) for w, s in lin_refs]
         xs = [x_of(cols) for cols, _, _ in pieces[0]]
         out = []
         for acc, lin_pieces in zip(accs, pieces):
@@ -97,10 +97,12 @@ def k_splits(programs: int, chunks: int, target: int) -> int:
 
 
 def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: int, bk: int, block_m: int, dt,
-                    params, interpret, target: int):
+                    params, interpret, target: int, fp4_asm: bool = False):
     """fp32 partial products [splits, P_pad, n_out] per Linear of lin_list (same format, same input) for every
     tile's pairs: grid (tiles, n_out / block_o, splits of the contraction). Pair p reads input row
-    row_index[p] (x by token) or, with row_index None, row p (h by pair); P_pad = inp rows or len(row_index)."""
+    row_index[p] (x by token) or, with row_index None, row p (h by pair); P_pad = inp rows or len(row_index).
+    fp4_asm: FP4 codes decoded by `common.fp4_bf16_asm` (PTX, ~4 integer ops a value instead of ~16) when compiled;
+    off until it has run on a GPU (the interpreter always runs the jnp decode)."""
     T, n_in = tiles.shape[0], inp.shape[1]
     P_pad = inp.shape[0] if row_index is None else row_index.shape[0]
     lin = lin_list[0]
@@ -123,7 +125,8 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
             src = rows_p if idx_ref is None else gather(idx_ref, rows_p, mask=ok)
             out_rows = iota(block_o) + jo * block_o
             x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])
-            accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, block_m)
+            accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, block_m,
+                            fp4_asm and not interpret)
             for o_ref, acc in zip(out_refs, accs):
                 plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
 
@@ -138,7 +141,7 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
              block_i: int | None = None, block_d: int | None = None, block_k: int = 128, num_warps: int = 4,
-             num_stages: int = 3, target_programs: int = 8 * 132, interpret=None):
+             num_stages: int = 3, target_programs: int = 8 * 132, interpret=None, fp4_asm: bool = False):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md)."""
@@ -151,7 +154,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     if dt == jnp.float32 or w1.fmt == "f32":
         raise ValueError("moe_gemm pallas: bf16 compute only (fp32 numerics use the xla path)")
     common = dict(block_m=block_m, dt=dt, params=triton_params(num_warps, num_stages),
-                  interpret=triton_interpret(interpret), target=target_programs)
+                  interpret=triton_interpret(interpret), target=target_programs, fp4_asm=fp4_asm)
 
     # Pairs: picks sorted by expert within each token (the reference's summation order), repeats merged.
     in_row = jnp.argsort(ids, axis=-1, stable=True)

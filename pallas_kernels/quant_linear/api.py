@@ -23,7 +23,7 @@ def quant_linear(x, w, *, act_quant_sim: bool = False, act_quant_block: int = 12
     implementation: "reference" (fp32 dequantise + matmul, tests), "xla" (the model's path), "pallas" (the
     routed-expert kernel's grouped GEMM with one group: split-K at decode, Triton lowering, bf16 compute; the HLO
     interpreter off-GPU). kernel_options (block_m, block_o, block_k, num_warps, num_stages, target_programs,
-    interpret) go to the Pallas kernel only.
+    interpret, fp4_asm) go to the Pallas kernel only.
     """
     impl = check_implementation(implementation)
     if act_quant_sim and w.fmt in ("fp8", "fp4"):

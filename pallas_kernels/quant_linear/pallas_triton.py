@@ -28,7 +28,8 @@ def fits(w, n_in: int, block_o: int = 64, block_k: int = 128) -> bool:
 
 
 def quant_linear(x, w, *, block_m: int | None = None, block_o: int | None = None, block_k: int = 128,
-                 num_warps: int = 4, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None):
+                 num_warps: int = 4, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
+                 fp4_asm: bool = False):
     """Row tiles of 16 up to 64 rows, 32 beyond; output tiles of 32 rows for FP4 at decode, 64 otherwise (the
     routed-expert kernel's H200 choices, docs/benchmarks.md; this op's own sweep is pending)."""
     dt = x.dtype
@@ -50,6 +51,6 @@ def quant_linear(x, w, *, block_m: int | None = None, block_o: int | None = None
     tiles = jnp.stack([jnp.zeros_like(t), t * block_m, jnp.full_like(t, M)], axis=1)
     (parts,) = grouped_matmul("quant_linear", xp, [one_group(w)], tiles, None, n_out, block_o, bk, block_m=block_m,
                               dt=dt, params=triton_params(num_warps, num_stages),
-                              interpret=triton_interpret(interpret), target=target_programs)
+                              interpret=triton_interpret(interpret), target=target_programs, fp4_asm=fp4_asm)
     y = round_bf(sum_in_order(parts, axis=0), dt).astype(dt)[:M]
     return y.reshape(*lead, n_out)
