@@ -78,12 +78,18 @@ def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_u
     want = xla_fn(*args)
     t_xla = timer(xla_fn, *args)
     emit(dict(base, impl="xla", us=t_xla, bytes=nbytes))
+    default = None      # the first config's output: other configs (tiles, the PTX FP4 decode) should equal it
     for opts in configs:
         try:
             fn = run("pallas", **opts)
-            err = rel_diff(fn(*args), want)
-            emit(dict(base, impl="pallas", options=opts, us=timer(fn, *args), bytes=nbytes, rel_diff_vs_xla=err,
-                      xla_us=t_xla))
+            got = fn(*args)
+            rec = dict(base, impl="pallas", options=opts, us=timer(fn, *args), bytes=nbytes,
+                       rel_diff_vs_xla=rel_diff(got, want), xla_us=t_xla)
+            if default is None:
+                default = got
+            else:
+                rec["rel_diff_vs_first_config"] = rel_diff(got, default)
+            emit(rec)
         except Exception as e:  # noqa: BLE001
             emit(dict(base, impl="pallas", options=opts, error=repr(e)[:500]))
 
