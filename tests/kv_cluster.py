@@ -43,10 +43,16 @@ class Redis:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server; `make venv` does it)")
-        self.exe, self.workdir, self.port = exe, workdir, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-        self.start()
+        self.exe, self.workdir, self.proc = exe, workdir, None
+        for attempt in range(3):    # a chosen free port can be taken before redis binds it: fresh ports, bounded
+            self.port = free_port()
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            try:
+                self.start()
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
 
     def start(self) -> None:
         self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -70,21 +76,38 @@ class ServeProcess:
 
     def __init__(self, name: str, workdir: str, *, redis_url: str, token_file: str, api_key: str, cache_dir: str,
                  extra: tuple[str, ...] = (), env: dict | None = None):
-        self.name, self.http, self.grpc, self.kv_peer = name, free_port(), free_port(), free_port()
+        self.name = name
         self.log = os.path.join(workdir, f"{name}.log")
-        args = [sys.executable, "-m", "dsjax.serving.server", "--model", "tiny-v4", "--numerics", "transformers",
-                "--host", "127.0.0.1", "--port", str(self.http), "--grpc-port", str(self.grpc),
-                "--kv-peer-port", str(self.kv_peer), "--redis-url", redis_url, "--server-id", name,
-                "--cluster-token-file", token_file, "--api-key", api_key, "--compilation-cache", cache_dir,
-                "--kv-store-bytes", str(16 << 20), "--log-level", "info", *extra]
-        full_env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "JAX_PLATFORMS": "cpu", **(env or {})}
-        with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=full_env)
+        self._flags = ["--model", "tiny-v4", "--numerics", "transformers", "--host", "127.0.0.1",
+                       "--redis-url", redis_url, "--server-id", name, "--cluster-token-file", token_file,
+                       "--api-key", api_key, "--compilation-cache", cache_dir, "--kv-store-bytes", str(16 << 20),
+                       "--log-level", "info", *extra]
+        self._env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "JAX_PLATFORMS": "cpu", **(env or {})}
+        self._start("w")
+
+    def _start(self, mode: str) -> None:
+        """Fresh free ports, then the process (its log appended to on a restart)."""
+        self.http, self.grpc, self.kv_peer = free_port(), free_port(), free_port()
+        args = [sys.executable, "-m", "dsjax.serving.server", *self._flags, "--port", str(self.http),
+                "--grpc-port", str(self.grpc), "--kv-peer-port", str(self.kv_peer)]
+        with open(self.log, mode) as f:
+            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=self._env)
         self.url = f"http://127.0.0.1:{self.http}"
 
-    def wait_ready(self, timeout: float = 300) -> "ServeProcess":
-        _wait(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, timeout, f"server {self.name}",
-              self.proc, self.log)
+    def wait_ready(self, timeout: float = 300, attempts: int = 3) -> "ServeProcess":
+        """A port `free_port` chose can be taken before the server binds it (another server binding port 0 got
+        the same one: CI, 2026-12-01): that start is retried on fresh ports, at most `attempts` times."""
+        for attempt in range(attempts):
+            try:
+                _wait(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, timeout,
+                      f"server {self.name}", self.proc, self.log)
+                return self
+            except RuntimeError:
+                with open(self.log) as f:
+                    taken = "address already in use" in f.read().lower()    # gRPC's and uvicorn's words
+                if not taken or attempt == attempts - 1:
+                    raise
+                self._start("a")
         return self
 
     def metrics(self) -> dict[str, float]:
