@@ -50,8 +50,9 @@ def matmul(x, w, out_dtype):
 
 def linear(x, w: Linear, cfg: ModelConfig):
     """y = x @ W.T in the compute dtype; FP8 activation fake-quant first when the config asks for it. Decode and
-    verify blocks may take the stored-format kernel (`dsjax.kernels.quant_linear`, per `kernel_choice`): XLA
-    writes an FP8 weight out dequantised before each matmul, the kernel decodes it in registers."""
+    verify sized inputs (≤ 32 rows in all) may take the stored-format kernel (`dsjax.kernels.quant_linear`, per
+    `kernel_choice`): XLA writes an FP8 weight out dequantised before each matmul, the kernel decodes it in
+    registers."""
     cdt = x.dtype
     if _kernel_fits(x, w) and choose(cfg, "quant_linear", rows=math.prod(x.shape[:-1]), dtype=cdt, fmt=w.fmt,
                                      chunk=x.shape[-2] if x.ndim > 2 else 1, sharded=active_mesh() is not None
