@@ -95,8 +95,9 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.http}"
 
     def wait_ready(self, timeout: float = 300, attempts: int = 3) -> "ServeProcess":
-        """A port `free_port` chose can be taken before the server binds it (another server binding port 0 got
-        the same one: CI, 2026-12-01): that start is retried on fresh ports, at most `attempts` times."""
+        """A port `free_port` chose can be taken before the server binds it (CI, 2026-12-01: server A's gRPC
+        port, by another listener on an ephemeral port — its own UCX agent, started just before, or in-process
+        server B binding port 0): that start is retried on fresh ports, at most `attempts` times."""
         for attempt in range(attempts):
             try:
                 _wait(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, timeout,
