@@ -15,7 +15,7 @@ import numpy as np
 from dsjax import checkpoint, kernel_choice, orbax_io, sharding
 from dsjax.assets import BUNDLED, resolve as resolve_model
 from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, preset
-from dsjax.errors import ConfigError, InputError
+from dsjax.errors import ConfigError, ContextLimitError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
 from dsjax.model import forward
 from dsjax.params import init_params
@@ -117,7 +117,8 @@ def _sizes(cfg: ModelConfig, max_seq_len: int | None, max_batch: int | None) -> 
     seq = min(cfg.max_position_embeddings, 4096) if max_seq_len is None else int(max_seq_len)
     batch = 8 if max_batch is None else int(max_batch)
     if not 2 <= seq <= cfg.max_position_embeddings:
-        raise ConfigError(f"max_seq_len {seq} must lie in [2, {cfg.max_position_embeddings}] for {cfg.name}")
+        raise ContextLimitError(f"max_seq_len {seq} must lie in [2, {cfg.max_position_embeddings}] for {cfg.name}",
+                                cfg.max_position_embeddings)
     if batch < 1:
         raise ConfigError(f"max_batch must be ≥ 1, got {batch}")
     return {"max_seq_len": seq, "max_batch": batch}

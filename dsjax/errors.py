@@ -9,6 +9,14 @@ class ConfigError(DsjaxError, ValueError):
     """A config.json, preset name or config field is unknown or inconsistent."""
 
 
+class ContextLimitError(ConfigError):
+    """The requested max_seq_len lies outside what the model's positions allow; `limit` is the most it holds."""
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
+
+
 class CheckpointError(DsjaxError, ValueError):
     """A checkpoint tensor is missing, unexpected, misshapen or of the wrong dtype."""
 

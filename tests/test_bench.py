@@ -295,7 +295,7 @@ def test_repro_says_when_the_checkpoint_is_too_short():
     from dsjax.errors import ConfigError
 
     args = build_parser().parse_args(["bench", "repro", "--model", "dsjax-small", "--max-new-tokens", "5142"])
-    with pytest.raises(ConfigError, match="smaller --max-new-tokens"):
+    with pytest.raises(ConfigError, match=r"more than dsjax-small holds \(4096\); pass a smaller --max-new-tokens"):
         repro.run(args)
 
 

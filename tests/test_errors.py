@@ -294,6 +294,15 @@ def test_unknown_kernels():
         dsjax.load("tiny-v4", kernels="cuda")
 
 
+def test_max_seq_len_past_the_positions_names_the_limit():
+    """A too-long context is a ConfigError that also carries the limit (callers such as `bench repro` read it)."""
+    from dsjax.errors import ContextLimitError
+
+    with pytest.raises(ContextLimitError, match=r"max_seq_len 8192 must lie in \[2, 4096\] for dsjax-small") as e:
+        dsjax.load("dsjax-small", max_seq_len=8192)
+    assert e.value.limit == 4096 and isinstance(e.value, dsjax.ConfigError)
+
+
 def test_every_error_is_a_dsjax_error_and_a_value_error():
     for cls in (dsjax.ConfigError, dsjax.CheckpointError, dsjax.InputError):
         assert issubclass(cls, dsjax.DsjaxError) and issubclass(cls, ValueError)

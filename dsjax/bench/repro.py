@@ -51,16 +51,15 @@ def _load(args):
         return slice_model(args.model, kernels=args.kernels, max_seq_len=max_seq, max_batch=1), True
     import dsjax
 
-    from dsjax.errors import ConfigError
+    from dsjax.errors import ConfigError, ContextLimitError
 
     max_seq = min(-(-(args.max_new_tokens + 256) // 256) * 256, 1 << 20)
     try:
         return dsjax.load(args.model, kernels=args.kernels, max_seq_len=max_seq, max_batch=1), False
-    except ConfigError as e:
-        if "max_seq_len" not in str(e):
-            raise
+    except ContextLimitError as e:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} needs {max_seq} positions (prompt and drafts "
-                          f"included), more than {args.model} holds ({e}); pass a smaller --max-new-tokens") from e
+                          f"included), more than {args.model} holds ({e.limit}); pass a smaller --max-new-tokens"
+                          ) from e
 
 
 def _run_once(model, ids, opts, meter):
