@@ -390,11 +390,11 @@ def fp4_bf16_asm(words, scale):
     (`fp4_asm=True`)."""
     from jax.experimental.pallas import triton as plt
 
+    half = lambda b: jax.lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.bfloat16)  # noqa: E731
     out = [None] * 8
     for p in range(4):
         (pair,) = plt.elementwise_inline_asm(_fp4_bf16_pair_ptx(p), args=[words, scale], constraints="=r,r,f",
                                              pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
-        half = lambda b: jax.lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.bfloat16)  # noqa: E731
         out[p], out[p + 4] = half(pair & 0xFFFF), half((pair >> 16) & 0xFFFF)   # int32 >> sign-extends: mask
     return out
 

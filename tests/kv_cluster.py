@@ -109,7 +109,6 @@ class ServeProcess:
                 if not taken or attempt == attempts - 1:
                     raise
                 self._start("a")
-        return self
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
