@@ -224,3 +224,17 @@ def test_fp4_ptx_assembles_for_sm90(tmp_path):
     src.write_text(kernel.replace("or.b32 fq_p, fq_m, fq_s;", "or.b32 fq_p, fq_m, fq_q;"))  # the check can fail
     assert subprocess.run([ptxas, "--gpu-name", "sm_90", str(src), "-o", str(tmp_path / "bad.cubin")],
                           capture_output=True, timeout=60).returncode != 0
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the PTX decode runs only on an NVIDIA GPU")
+@pytest.mark.parametrize("n", [1, 8, 40])
+def test_fp4_asm_equals_jnp_decode_on_gpu(test_seed, n):
+    """On the GPU the PTX FP4 decode gives the same kernel output, bit for bit, as the jnp decode (both produce the
+    same bf16 weights; the sums are then the same program) — the check the CPU interpreter cannot make."""
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
+    out = {asm: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True,
+                                    act_quant_block=128, implementation="pallas", interpret=False, fp4_asm=asm)
+                           .astype(jnp.float32)) for asm in (False, True)}
+    assert np.isfinite(out[False]).all()
+    np.testing.assert_array_equal(out[True], out[False])
+    _check(out[False], np.asarray(_run((x, weights, ids, w1, w3, w2), "reference", True)))

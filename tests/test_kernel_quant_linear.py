@@ -93,3 +93,16 @@ def test_lowers_for_the_h200_at_v4_flash_shapes(shape):
     w = Linear(S((out, inn), jnp.float8_e4m3fn), S((out // 128, inn // 128), jnp.uint8), "fp8", 128)
     f = lambda x, w: pallas_triton.quant_linear(x, w, interpret=False)  # noqa: E731
     assert lower_for_h200(f, S((1, inn), jnp.bfloat16), w).count("xla.gpu.triton") == 1
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the PTX decode runs only on an NVIDIA GPU")
+def test_fp4_asm_equals_jnp_decode_on_gpu(test_seed):
+    """On the GPU the PTX FP4 decode gives the kernel's jnp-decode output bit for bit (the same bf16 weights, then
+    the same program), and both match the reference — the check the CPU interpreter cannot make."""
+    k = jax.random.split(jax.random.key(test_seed), 2)
+    w = _weight(k[0], "fp4")
+    for rows in (1, 8, 40):
+        x = jax.random.normal(k[1], (rows, IN), jnp.float32).astype(jnp.bfloat16)
+        out = {asm: quant_linear(x, w, implementation="pallas", interpret=False, fp4_asm=asm) for asm in (False, True)}
+        np.testing.assert_array_equal(np.asarray(out[True], np.float32), np.asarray(out[False], np.float32))
+        _close(out[False], quant_linear(x, w, implementation="reference"), f"pallas fp4 {rows} rows", x, w)

@@ -335,6 +335,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
     if sweep:
         configs += [dict(block_i=bi, block_d=bi, num_warps=w) for bi in (32, 64, 128) for w in (4, 8)]
         configs += [dict(target_programs=t) for t in (2 * 132, 32 * 132)] + [dict(num_stages=4)]
+        configs += [dict(block_k=256), dict(block_k=256, num_warps=8), dict(block_i=64, block_d=64, block_k=256)]
     for fmt in fmts:
         ks = jax.random.split(jax.random.key(2), 3)
         lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
@@ -357,11 +358,11 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
                                                             (64, 32, 4, 3), (32, 32, 4, 3))]
             chosen = (configs if n <= 8 and fmt == "fp4" else
                       prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
-            ptx_decode = [dict(fp4_asm=True)] if fmt == "fp4" else []   # the PTX FP4 decode (off by default)
+            jnp_decode = [dict(fp4_asm=False)] if fmt == "fp4" else []  # FP4 decoded in jnp, not PTX (the default)
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
-                         chosen + ptx_decode, timer=time_us_looped if looped else time_us)
+                         chosen + jnp_decode, timer=time_us_looped if looped else time_us)
         del lins
 
 

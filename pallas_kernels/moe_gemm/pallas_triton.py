@@ -101,8 +101,9 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
     """fp32 partial products [splits, P_pad, n_out] per Linear of lin_list (same format, same input) for every
     tile's pairs: grid (tiles, n_out / block_o, splits of the contraction). Pair p reads input row
     row_index[p] (x by token) or, with row_index None, row p (h by pair); P_pad = inp rows or len(row_index).
-    fp4_asm: FP4 codes decoded by `common.fp4_bf16_asm` (PTX, ~4 integer ops a value instead of ~16) when compiled;
-    off until it has run on a GPU (the interpreter always runs the jnp decode)."""
+    fp4_asm: FP4 codes decoded by `common.fp4_bf16_asm` (PTX, ~4 integer ops a value instead of ~16) when compiled
+    (the interpreter always runs the jnp decode); the default since the H200 run of 2026-12-01 (1.25-1.33x at 1-8
+    tokens, bit-identical outputs)."""
     T, n_in = tiles.shape[0], inp.shape[1]
     P_pad = inp.shape[0] if row_index is None else row_index.shape[0]
     lin = lin_list[0]
@@ -141,7 +142,7 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
              block_i: int | None = None, block_d: int | None = None, block_k: int = 128, num_warps: int = 4,
-             num_stages: int = 3, target_programs: int = 8 * 132, interpret=None, fp4_asm: bool = False):
+             num_stages: int = 3, target_programs: int = 8 * 132, interpret=None, fp4_asm: bool = True):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md)."""

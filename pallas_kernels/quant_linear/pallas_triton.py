@@ -29,7 +29,7 @@ def fits(w, n_in: int, block_o: int = 64, block_k: int = 128) -> bool:
 
 def quant_linear(x, w, *, block_m: int | None = None, block_o: int | None = None, block_k: int = 128,
                  num_warps: int = 4, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
-                 fp4_asm: bool = False):
+                 fp4_asm: bool = True):
     """Row tiles of 16 up to 64 rows, 32 beyond; output tiles of 32 rows for FP4 at decode, 64 otherwise (the
     routed-expert kernel's H200 choices, docs/benchmarks.md; this op's own sweep is pending)."""
     dt = x.dtype
