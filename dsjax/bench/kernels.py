@@ -356,9 +356,14 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
                                       for bm, bo, w, st in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
                                                             (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                                             (64, 32, 4, 3), (32, 32, 4, 3))]
-            chosen = (configs if n <= 8 and fmt == "fp4" else
+            gemv = [dict(block_m=m) for m in (1, 2, 4)] + [dict(block_m=1, block_i=b, block_d=b) for b in (64, 128)]
+            gemv += [dict(block_m=1, block_k=256), dict(block_m=1, num_warps=8), dict(block_m=2, block_i=64, block_d=64)]
+            chosen = (configs + gemv if sweep and n <= 8 and fmt == "fp4" else
+                      [{}] + gemv if sweep and n <= 8 else
                       prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
             jnp_decode = [dict(fp4_asm=False)] if fmt == "fp4" else []  # FP4 decoded in jnp, not PTX (the default)
+            if fmt == "fp4" and n <= 8:                                  # 16-pair MMA tiles, not GEMV (the default)
+                jnp_decode.append(dict(block_m=16, block_k=128))
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,

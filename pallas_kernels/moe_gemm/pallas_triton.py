@@ -55,9 +55,22 @@ def k_chunk(fmt: str, block: int, block_k: int) -> int:
     return min(block_k, block) if fmt == "fp8" else max(block_k, block) if fmt == "fp4" else block_k
 
 
+# Below 16 pairs a tile the MMA (whose M side is at least 16) would mostly multiply padding: such tiles take the
+# GEMV form instead — fp32 products accumulated per (pair, weight row, column slot) across the whole contraction and
+# reduced once at the end, no operand layout change, no 16-row padding.
+MMA_MIN_ROWS = 16
+GEMV_TOKENS = 8     # FP4 experts up to this many tokens: GEMV tiles of ≤ 4 pairs, 256-column chunks (H200 sweep)
+
+
+def piece_columns(lin, bk: int) -> int:
+    """Columns of one `weight_pieces` piece: a chunk's words (8 columns apart) for FP4, the whole chunk otherwise."""
+    return bk // 8 if lin.fmt == "fp4" else bk
+
+
 def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int, asm: bool):
     """fp32 [acc_rows, len(rows)] per Linear in lin_refs (sharing one input): Σ over n_chunks chunks from
-    k_lo of (x · valuesᵀ) · scale."""
+    k_lo of (x · valuesᵀ) · scale — by MMA, or for tiles under `MMA_MIN_ROWS` pairs by fp32 multiply-adds."""
+    gemv = acc_rows < MMA_MIN_ROWS
 
     def step(c, accs):
         k0 = k_lo + c * bk
@@ -66,13 +79,18 @@ def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, 
         out = []
         for acc, lin_pieces in zip(accs, pieces):
             for xp, (_, vals, scale) in zip(xs, lin_pieces):
-                part = dot_nt(xp, vals)
-                acc = acc + (part if scale is None else part * scale[None, :])
+                if gemv:
+                    v = vals.astype(jnp.float32) if scale is None else vals.astype(jnp.float32) * scale[:, None]
+                    acc = acc + xp.astype(jnp.float32)[:, None, :] * v[None, :, :]
+                else:
+                    part = dot_nt(xp, vals)
+                    acc = acc + (part if scale is None else part * scale[None, :])
             out.append(acc)
         return tuple(out)
 
-    init = tuple(jnp.zeros((acc_rows, rows.shape[0]), jnp.float32) for _ in lin_refs)
-    return jax.lax.fori_loop(0, n_chunks, step, init)
+    shape = (acc_rows, rows.shape[0]) + ((piece_columns(lin, bk),) if gemv else ())
+    accs = jax.lax.fori_loop(0, n_chunks, step, tuple(jnp.zeros(shape, jnp.float32) for _ in lin_refs))
+    return tuple(a.sum(axis=2) for a in accs) if gemv else accs
 
 
 def _refs(lin, refs):
@@ -119,17 +137,22 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
         t, jo, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         e, r0, r_end = tiles_ref[t, 0], tiles_ref[t, 1], tiles_ref[t, 2]
 
-        @pl.when(e >= 0)
-        def _():
-            rows_p = r0 + iota(block_m)
+        def tile(m: int):
+            rows_p = r0 + iota(m)
             ok = rows_p < r_end
             src = rows_p if idx_ref is None else gather(idx_ref, rows_p, mask=ok)
             out_rows = iota(block_o) + jo * block_o
             x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])
-            accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, block_m,
+            accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, m,
                             fp4_asm and not interpret)
             for o_ref, acc in zip(out_refs, accs):
                 plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
+
+        if 1 < block_m < MMA_MIN_ROWS:          # GEMV tiles: one live pair (the usual case at decode) costs one row
+            pl.when((e >= 0) & (r_end - r0 == 1))(lambda: tile(1))
+            pl.when((e >= 0) & (r_end - r0 > 1))(lambda: tile(block_m))
+        else:
+            pl.when(e >= 0)(lambda: tile(block_m))
 
     index = [] if row_index is None else [row_index]
     stored = [a for l in lin_list for a in _stored(l)]
@@ -141,16 +164,20 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
-             block_i: int | None = None, block_d: int | None = None, block_k: int = 128, num_warps: int = 4,
+             block_i: int | None = None, block_d: int | None = None, block_k: int | None = None, num_warps: int = 4,
              num_stages: int = 3, target_programs: int = 8 * 132, interpret=None, fp4_asm: bool = True):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
-    sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md)."""
+    sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
+    at ≤ `GEMV_TOKENS` tokens: GEMV tiles of up to 4 pairs (a tile with one live pair runs as one row) and
+    256-column chunks where the dims allow (the sweep at 1 / 8 tokens: 1.11x / 1.47x over 16-pair MMA tiles)."""
     n, k = ids.shape
-    block_m = block_m or (16 if n <= 64 else 32)
+    E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
+    gemv = w1.fmt == "fp4" and n <= GEMV_TOKENS
+    block_m = block_m or (min(4, 1 << (n - 1).bit_length()) if gemv else 16 if n <= 64 else 32)
+    block_k = block_k or (256 if gemv and D % 256 == 0 and I % 256 == 0 else 128)
     small = 32 if w1.fmt == "fp4" and n <= 64 else 64
     block_i, block_d = block_i or small, block_d or small
-    E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     dt = x.dtype
     if dt == jnp.float32 or w1.fmt == "f32":
         raise ValueError("moe_gemm pallas: bf16 compute only (fp32 numerics use the xla path)")
