@@ -229,16 +229,16 @@ def test_fp4_ptx_assembles_for_sm90(tmp_path):
 @pytest.mark.parametrize("fmt,block_m,block_k", [("fp4", 4, 128), ("fp4", 2, 256), ("fp8", 2, 128), ("bf16", 4, 128)])
 def test_gemv_tiles(test_seed, fmt, block_m, block_k):
     """Tiles under 16 pairs take the GEMV form (FP4's default at ≤ 8 tokens): tiles with one live pair run as one
-    row, fuller ones as block_m rows, experts spread so both kinds occur (checked below), at 8 and 40 tokens."""
-    for n in (8, 40):
-        x, weights, ids, w1, w3, w2 = _case(test_seed, fmt, n)
-        ids = ids.at[4:8].set(jnp.array([[4, 0, 1], [5, 0, 2], [6, 1, 2], [7, 3, 0]]))  # experts 4-7: one pair each
-        weights = weights.at[4:8].set(0.5)
-        counts = np.bincount(np.asarray(ids)[np.asarray(weights) > 0], minlength=E)
-        assert (counts[4:] == 1).all() and (counts[:4] > block_m).any(), counts
-        got = moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
-                       implementation="pallas", interpret=True, block_m=block_m, block_k=block_k)
-        _check(got, _run((x, weights, ids, w1, w3, w2), "reference", True))
+    row, fuller ones as block_m rows, and experts with more pairs than a tile holds span two (checked below)."""
+    x, weights, ids, w1, w3, w2 = _case(test_seed, fmt, 8)
+    ids = ids.at[:2].set(jnp.array([0, 1, 2]))                             # experts 0 and 1: 5 pairs each, 2: four
+    ids = ids.at[4:8].set(jnp.array([[4, 0, 1], [5, 0, 2], [6, 1, 2], [7, 3, 0]]))  # experts 4-7: one pair each
+    weights = weights.at[4:8].set(0.5)
+    counts = np.bincount(np.asarray(ids)[np.asarray(weights) > 0], minlength=E)
+    assert (counts[4:] == 1).all() and (counts[:2] > block_m).all(), counts
+    got = moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
+                   implementation="pallas", interpret=True, block_m=block_m, block_k=block_k)
+    _check(got, _run((x, weights, ids, w1, w3, w2), "reference", True))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the PTX decode runs only on an NVIDIA GPU")
