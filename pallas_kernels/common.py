@@ -387,7 +387,7 @@ def fp4_bf16_asm(words, scale):
     [r, c], nibble position 0..7, each value times its scale. Compiled kernels only (PTX; sm_80+). One asm
     statement per pair (the Triton lowering takes one result per statement), its result signless int32 (Triton
     refuses an unsigned one: the H200's first run). The kernels' default (`fp4_asm`): bit-identical to the jnp
-    decode on the H200, 1.25-1.33x faster at 1-8 tokens (docs/benchmarks.md)."""
+    decode on the H200, 1.26-1.33x faster at 1-8 tokens (docs/benchmarks.md)."""
     from jax.experimental.pallas import triton as plt
 
     half = lambda b: jax.lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.bfloat16)  # noqa: E731

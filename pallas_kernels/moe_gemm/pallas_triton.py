@@ -120,7 +120,7 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
     tile's pairs: grid (tiles, n_out / block_o, splits of the contraction). Pair p reads input row
     row_index[p] (x by token) or, with row_index None, row p (h by pair); P_pad = inp rows or len(row_index).
     fp4_asm: FP4 codes decoded by `common.fp4_bf16_asm` (PTX, ~4 integer ops a value instead of ~16) when compiled
-    (the interpreter always runs the jnp decode); the default since the H200 run of 2026-12-01 (1.25-1.33x at 1-8
+    (the interpreter always runs the jnp decode); the default since the H200 run of 2026-12-01 (1.26-1.33x at 1-8
     tokens, bit-identical outputs)."""
     T, n_in = tiles.shape[0], inp.shape[1]
     P_pad = inp.shape[0] if row_index is None else row_index.shape[0]
@@ -170,7 +170,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
     at ≤ `GEMV_TOKENS` tokens: GEMV tiles of up to 4 pairs (a tile with one live pair runs as one row) and
-    256-column chunks where the dims allow (the sweep at 1 / 8 tokens: 1.11x / 1.47x over 16-pair MMA tiles)."""
+    256-column chunks where the dims allow (H200: 1.09-1.39x the 16-pair MMA tiles at 1-8 tokens)."""
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     gemv = w1.fmt == "fp4" and n <= GEMV_TOKENS
