@@ -331,3 +331,22 @@ def test_kernels_bench_times_the_linear_kernel_inside_one_dispatch(tmp_path):
     assert all(r["timing"] == "device loop" and r["us"] > 0 and "error" not in r for r in recs), recs
     # both round an fp32 sum to bf16: summation order may flip one rounding, ≤ one bf16 ulp (2^-7 relative)
     assert all(r["rel_diff_vs_xla"] <= 2.0 ** -7 for r in recs if r["impl"] == "pallas"), recs
+
+
+def test_kernels_bench_times_extra_moe_configs(tmp_path, capsys):
+    """`bench kernels --moe-configs`: each extra option set is timed beside the defaults, its output compared with
+    the default's (same numbers within fp32 summation order); a bad list is refused with a message, exit 2."""
+    from dsjax.bench import kernels
+
+    out = tmp_path / "k.jsonl"
+    extra = '[{"block_m": 2, "block_k": 128}]'
+    assert kernels.main(["--ops", "moe", "--smoke", "--moe-formats", "bf16", "--moe-tokens", "1",
+                         "--moe-configs", extra, "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    mine = [r for r in recs if r.get("options") == {"block_m": 2, "block_k": 128}]
+    assert len(mine) == 1 and "error" not in mine[0] and mine[0]["us"] > 0, recs
+    assert mine[0]["rel_diff_vs_first_config"] <= 2.0 ** -7, mine
+    for bad, says in (('{"block_m": 2}', "list of objects"), ('[{"block_q": 2}]', "block_q"), ("[{", "not JSON")):
+        with pytest.raises(SystemExit) as exc:
+            kernels.main(["--ops", "moe", "--smoke", "--moe-configs", bad])
+        assert exc.value.code == 2 and says in capsys.readouterr().err

@@ -329,7 +329,7 @@ def moe_bytes(lins, n_distinct: int) -> int:
     return per * n_distinct
 
 
-def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"), only_tokens=None):
+def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"), only_tokens=None, extra=()):
     E, D, I, k = (16, 256, 256, 6) if smoke else (256, 4096, 2048, 6)
     configs = [{}]
     if sweep:
@@ -367,7 +367,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
-                         chosen + jnp_decode, timer=time_us_looped if looped else time_us)
+                         chosen + jnp_decode + list(extra), timer=time_us_looped if looped else time_us)
         del lins
 
 
@@ -398,6 +398,23 @@ def bench_linear(emit, sweep: bool, smoke: bool = False):
                              configs if n <= 32 else [{}], timer=time_us_looped)
 
 
+MOE_OPTIONS = ("block_m", "block_i", "block_d", "block_k", "num_warps", "num_stages", "target_programs", "fp4_asm")
+
+
+def _kernel_options(text: str) -> list[dict]:
+    """--moe-configs: a JSON list of option objects, each key one of `MOE_OPTIONS` (a clear error otherwise)."""
+    try:
+        configs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+        raise argparse.ArgumentTypeError("expected a JSON list of objects, e.g. [{\"block_m\": 1}]")
+    bad = sorted({k for c in configs for k in c if k not in MOE_OPTIONS})
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown option(s) {', '.join(bad)}; choose from {', '.join(MOE_OPTIONS)}")
+    return configs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="moe,mqa,indexer,chunk,mhc,linear",
@@ -407,6 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
     p.add_argument("--moe-formats", default="fp4,fp8,bf16", help="MoE expert formats to time")
     p.add_argument("--moe-tokens", default="", help="only these MoE token counts (comma-separated; default all)")
+    p.add_argument("--moe-configs", default="[]", type=_kernel_options,
+                   help='extra MoE kernel options to time beside the defaults, a JSON list of objects, e.g. '
+                        '\'[{"block_m": 1, "num_warps": 8}, {"block_k": 256}]\' (keys: moe_gemm\'s Pallas options)')
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     head = run_info("kernels", argv)
@@ -432,7 +452,7 @@ def main(argv=None) -> int:
 
     emit(head)
     moe = functools.partial(bench_moe, fmts=tuple(args.moe_formats.split(",")),
-                            only_tokens={int(t) for t in args.moe_tokens.split(",") if t})
+                            only_tokens={int(t) for t in args.moe_tokens.split(",") if t}, extra=args.moe_configs)
     bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc,
              "linear": bench_linear}
     for op in args.ops.split(","):
