@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import sys
 import time
@@ -33,6 +34,7 @@ from dsjax.bench.report import run_info
 from dsjax.bench.roofline import torch_roofline
 from dsjax.kernels import chunk_attention, indexer_topk, mhc_sinkhorn, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
+from dsjax.kernels.moe_gemm import pallas_triton as moe_gemm_kernel
 from dsjax.weights import stored_linear
 
 
@@ -336,6 +338,8 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
         configs += [dict(block_i=bi, block_d=bi, num_warps=w) for bi in (32, 64, 128) for w in (4, 8)]
         configs += [dict(target_programs=t) for t in (2 * 132, 32 * 132)] + [dict(num_stages=4)]
         configs += [dict(block_k=256), dict(block_k=256, num_warps=8), dict(block_i=64, block_d=64, block_k=256)]
+    gemv = [dict(block_m=m) for m in (1, 2, 4)] + [dict(block_m=1, block_i=b, block_d=b) for b in (64, 128)]
+    gemv += [dict(block_m=1, block_k=256), dict(block_m=1, num_warps=8), dict(block_m=2, block_i=64, block_d=64)]
     for fmt in fmts:
         ks = jax.random.split(jax.random.key(2), 3)
         lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
@@ -356,18 +360,16 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
                                       for bm, bo, w, st in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
                                                             (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                                             (64, 32, 4, 3), (32, 32, 4, 3))]
-            gemv = [dict(block_m=m) for m in (1, 2, 4)] + [dict(block_m=1, block_i=b, block_d=b) for b in (64, 128)]
-            gemv += [dict(block_m=1, block_k=256), dict(block_m=1, num_warps=8), dict(block_m=2, block_i=64, block_d=64)]
             chosen = (configs + gemv if sweep and n <= 8 and fmt == "fp4" else
                       [{}] + gemv if sweep and n <= 8 else
                       prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
-            jnp_decode = [dict(fp4_asm=False)] if fmt == "fp4" else []  # FP4 decoded in jnp, not PTX (the default)
-            if fmt == "fp4" and n <= 8:                                  # 16-pair MMA tiles, not GEMV (the default)
-                jnp_decode.append(dict(block_m=16, block_k=128))
+            # beside the defaults: FP4 decoded in jnp, not PTX; at decode, 16-pair MMA tiles instead of GEMV tiles
+            previous = ([dict(fp4_asm=False)] + ([dict(block_m=16, block_k=128)] if n <= 8 else [])
+                        if fmt == "fp4" else [])
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
-                         chosen + jnp_decode + list(extra), timer=time_us_looped if looped else time_us)
+                         chosen + previous + list(extra), timer=time_us_looped if looped else time_us)
         del lins
 
 
@@ -398,7 +400,10 @@ def bench_linear(emit, sweep: bool, smoke: bool = False):
                              configs if n <= 32 else [{}], timer=time_us_looped)
 
 
-MOE_OPTIONS = ("block_m", "block_i", "block_d", "block_k", "num_warps", "num_stages", "target_programs", "fp4_asm")
+# the Pallas kernel's tuning options, read from its signature (the op's own arguments and `interpret` are not options)
+MOE_OPTIONS = tuple(name for name in inspect.signature(moe_gemm_kernel.moe_gemm).parameters
+                    if name not in ("x", "weights", "ids", "w1", "w3", "w2", "swiglu_limit", "act_quant_sim",
+                                    "act_quant_block", "interpret"))
 
 
 def _kernel_options(text: str) -> list[dict]:

@@ -80,7 +80,8 @@ def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, 
         for acc, lin_pieces in zip(accs, pieces):
             for xp, (_, vals, scale) in zip(xs, lin_pieces):
                 if gemv:
-                    v = vals.astype(jnp.float32) if scale is None else vals.astype(jnp.float32) * scale[:, None]
+                    v = vals.astype(jnp.float32)
+                    v = v if scale is None else v * scale[:, None]
                     acc = acc + xp.astype(jnp.float32)[:, None, :] * v[None, :, :]
                 else:
                     part = dot_nt(xp, vals)
