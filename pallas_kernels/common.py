@@ -369,33 +369,60 @@ def fp4_pair_bits(words, p: int):
 
 
 def _fp4_bf16_pair_ptx(p: int) -> str:
-    """PTX: word $1, fp32 scale $2 -> $0 = bf16 pair (nibble p low, p + 4 high) times 2^126 times the scale."""
+    """PTX: word $1, bf16 pair $2 holding the block scale twice (`bf16x2_scale`) -> $0 = bf16 pair (nibble p low,
+    p + 4 high) times 2^126 times the scale."""
     m, s = fp4_pair_shifts(p)
     shift = lambda dst, n: f"{'shl' if n >= 0 else 'shr'}.b32 {dst}, $1, {abs(n)};"  # noqa: E731
     return "\n".join([
-        "{", ".reg .b32 fq_m, fq_s, fq_p, fq_k, fq_z, fq_c;",
+        "{", ".reg .b32 fq_m, fq_s, fq_p, fq_k, fq_z;",
         f"mov.b32 fq_k, {BF16X2_TWO_POW_126:#010x};", f"mov.b32 fq_z, {BF16X2_NEG_ZERO:#010x};",
-        "cvt.rn.bf16x2.f32 fq_c, $2, $2;",
         shift("fq_m", m), f"and.b32 fq_m, fq_m, {FP4_PAIR_MAGNITUDE:#010x};",
         shift("fq_s", s), f"and.b32 fq_s, fq_s, {FP4_PAIR_SIGN:#010x};",
         "or.b32 fq_p, fq_m, fq_s;",
-        "fma.rn.bf16x2 fq_p, fq_p, fq_k, fq_z;", "fma.rn.bf16x2 $0, fq_p, fq_c, fq_z;", "}"])
+        "fma.rn.bf16x2 fq_p, fq_p, fq_k, fq_z;", "fma.rn.bf16x2 $0, fq_p, $2, fq_z;", "}"])
+
+
+def bf16x2_scale(scale):
+    """fp32 power-of-two block scales -> int32 bf16 pairs holding the scale twice: the fp32 bits' high half is the
+    exact bf16 (a power of two has no low bits, the subnormal 2^-127 included). Once a word, not once a pair."""
+    b = jax.lax.bitcast_convert_type(scale, jnp.int32)
+    return b | ((b >> 16) & 0xFFFF)
+
+
+def _fp4_asm_pairs(words, scale):
+    """The 4 int32 bf16 pairs (nibbles p, p + 4) of each word, scaled: one asm statement per pair (the Triton
+    lowering takes one result per statement), its result signless int32 (Triton refuses an unsigned one: the H200's
+    first run)."""
+    from jax.experimental.pallas import triton as plt
+
+    scale2 = bf16x2_scale(scale)
+    return [plt.elementwise_inline_asm(_fp4_bf16_pair_ptx(p), args=[words, scale2], constraints="=r,r,r", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])[0]
+            for p in range(4)]
 
 
 def fp4_bf16_asm(words, scale):
     """uint32 words [r, c] of 8 e2m1 codes (low nibble first) and their fp32 block scales [r, c] -> 8 bf16 arrays
-    [r, c], nibble position 0..7, each value times its scale. Compiled kernels only (PTX; sm_80+). One asm
-    statement per pair (the Triton lowering takes one result per statement), its result signless int32 (Triton
-    refuses an unsigned one: the H200's first run). The kernels' default (`fp4_asm`): bit-identical to the jnp
-    decode on the H200, 1.26-1.33x faster at 1-8 tokens (docs/benchmarks.md)."""
-    from jax.experimental.pallas import triton as plt
-
+    [r, c], nibble position 0..7, each value times its scale. Compiled kernels only (PTX; sm_80+). The kernels'
+    default (`fp4_asm`): bit-identical to the jnp decode on the H200, 1.26-1.33x faster at 1-8 tokens
+    (docs/benchmarks.md)."""
     half = lambda b: jax.lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.bfloat16)  # noqa: E731
     out = [None] * 8
-    for p in range(4):
-        (pair,) = plt.elementwise_inline_asm(_fp4_bf16_pair_ptx(p), args=[words, scale], constraints="=r,r,f",
-                                             pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
+    for p, pair in enumerate(_fp4_asm_pairs(words, scale)):
         out[p], out[p + 4] = half(pair & 0xFFFF), half((pair >> 16) & 0xFFFF)   # int32 >> sign-extends: mask
+    return out
+
+
+def fp4_f32_values(words, scale, asm: bool):
+    """uint32 words [r, c] of 8 e2m1 codes and fp32 block scales [r, c] -> 8 fp32 arrays [r, c] (nibble order),
+    each value times its scale (exact). For fp32 multiply-adds (GEMV tiles): with asm the PTX pairs' bf16 halves
+    become fp32 by one integer op each (a bf16 is the high half of its fp32), no convert; else the jnp decode."""
+    if not asm:
+        return [fp4_code_to_f32((words >> (4 * p)) & 0xF) * scale for p in range(8)]
+    f32 = lambda b: jax.lax.bitcast_convert_type(b, jnp.float32)  # noqa: E731
+    out = [None] * 8
+    for p, pair in enumerate(_fp4_asm_pairs(words, scale)):
+        out[p], out[p + 4] = f32(pair << 16), f32(pair & jnp.int32(-65536))
     return out
 
 

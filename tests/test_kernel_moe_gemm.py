@@ -179,6 +179,18 @@ def test_fp4_asm_decode_lowers_for_h200():
                               lin(I_, D_), lin(I_, D_), lin(D_, I_))
         assert text.count("xla.gpu.triton") == 2
         assert ("fma.rn.bf16x2" in text) == asm
+        # the glue around the kernels has no loop: searchsorted's default scan was ~30 µs of tiny launches a call
+        assert "stablehlo.while" not in text
+
+
+def test_bf16x2_scale_holds_every_block_scale_twice():
+    """The PTX decode's scale operand: for each of the 256 ue8m0 bytes, both bf16 halves equal the fp32 scale."""
+    from dsjax.kernels.common import bf16x2_scale, e8m0_to_f32
+    scale = e8m0_to_f32(jnp.arange(256, dtype=jnp.uint8))
+    pair = np.asarray(bf16x2_scale(scale)).astype(np.uint32)
+    for half in (pair & 0xFFFF, pair >> 16):
+        got = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(half, jnp.uint16), jnp.bfloat16), np.float32)
+        np.testing.assert_array_equal(got, np.asarray(scale))
 
 
 def test_fp4_asm_results_are_signless_for_triton(capsys):
@@ -209,13 +221,13 @@ def test_fp4_ptx_assembles_for_sm90(tmp_path):
     from dsjax.kernels.common import _fp4_bf16_pair_ptx
 
     ptxas = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
-    body = "".join(_fp4_bf16_pair_ptx(p).replace("$0", "%r_o").replace("$1", "%r_w").replace("$2", "%f_s")
+    body = "".join(_fp4_bf16_pair_ptx(p).replace("$0", "%r_o").replace("$1", "%r_w").replace("$2", "%r_s")
                    + f"\nst.global.b32 [%rd_o+{4 * p}], %r_o;\n" for p in range(4))
     kernel = (".version 8.0\n.target sm_90\n.address_size 64\n"
               ".visible .entry k(.param .u64 pw, .param .u64 ps, .param .u64 po)\n{\n"
-              ".reg .b32 %r_w, %r_o;\n.reg .f32 %f_s;\n.reg .b64 %rd_w, %rd_s, %rd_o;\n"
+              ".reg .b32 %r_w, %r_o, %r_s;\n.reg .b64 %rd_w, %rd_s, %rd_o;\n"
               "ld.param.u64 %rd_w, [pw];\nld.param.u64 %rd_s, [ps];\nld.param.u64 %rd_o, [po];\n"
-              "ld.global.b32 %r_w, [%rd_w];\nld.global.f32 %f_s, [%rd_s];\n" + body + "ret;\n}\n")
+              "ld.global.b32 %r_w, [%rd_w];\nld.global.b32 %r_s, [%rd_s];\n" + body + "ret;\n}\n")
     src = tmp_path / "fp4.ptx"
     src.write_text(kernel)
     proc = subprocess.run([ptxas, "--gpu-name", "sm_90", str(src), "-o", str(tmp_path / "fp4.cubin")],

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsjax import quant
-from dsjax.kernels.common import (check_offsets, dot_nt, fp4_words, gather, iota, round_bf, triton_interpret,
-                                  triton_params, weight_pieces)
+from dsjax.kernels.common import (check_offsets, dot_nt, e8m0_to_f32, fp4_f32_values, fp4_words, gather, iota,
+                                  round_bf, triton_interpret, triton_params, weight_pieces)
 from dsjax.kernels.moe_gemm.xla import merged_pair_weights
 from dsjax.layers import moe as _moe
 from dsjax.numerics import sum_in_order
@@ -44,7 +44,7 @@ def tile_map(key, n_experts: int, block_m: int):
     tile_end = jnp.cumsum(per)
     T = -(-P // block_m) + min(P, n_experts)
     t = jnp.arange(T, dtype=jnp.int32)
-    e = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    e = jnp.searchsorted(tile_end, t, side="right", method="compare_all").astype(jnp.int32)  # not a scan loop
     ec = jnp.minimum(e, n_experts - 1)
     row0 = starts[ec] + (t - (tile_end[ec] - per[ec])) * block_m
     tiles = jnp.stack([jnp.where(e < n_experts, e, -1), row0, starts[ec] + counts[ec]], axis=1)
@@ -67,10 +67,42 @@ def piece_columns(lin, bk: int) -> int:
     return bk // 8 if lin.fmt == "fp4" else bk
 
 
+def _gemv_fp4(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, acc_rows: int, asm: bool):
+    """`_project` for GEMV tiles of FP4 experts: fp32 [acc_rows, len(rows)] per Linear. Each chunk's words are
+    decoded straight to fp32 (`fp4_f32_values`: no bf16 -> fp32 converts), multiplied and added per (pair, weight
+    row, word slot); one reduction at the end. The same sums in the same order as the generic GEMV form, so the same
+    bits; H200: 1.10x / 1.12x faster at 1 / 8 tokens. (Loading chunk c + 1 while c is decoded, carried through the
+    loop, was 1.08x faster at 1 token but 1.5x slower at 8: not kept.)"""
+    nw, r2 = bk // 8, rows[:, None]
+
+    def words_of(c):
+        return iota(nw) + (k_lo + c * bk) // 8
+
+    def load(jw):
+        jw = jw[None, :]
+        return tuple((gather(w, e, r2, jw), gather(s, e, r2, jw * 8 // lin.block)) for w, s in lin_refs)
+
+    def step(c, accs):
+        jw = words_of(c)
+        xs = [x_of(8 * jw + p).astype(jnp.float32)[:, None, :] for p in range(8)]
+        out = []
+        for acc, (words, s8) in zip(accs, load(jw)):
+            for xp, v in zip(xs, fp4_f32_values(words, e8m0_to_f32(s8), asm)):
+                acc = acc + xp * v[None, :, :]
+            out.append(acc)
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((acc_rows, rows.shape[0], nw), jnp.float32) for _ in lin_refs)
+    accs = jax.lax.fori_loop(0, n_chunks, step, zeros)
+    return tuple(a.sum(axis=2) for a in accs)
+
+
 def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int, asm: bool):
     """fp32 [acc_rows, len(rows)] per Linear in lin_refs (sharing one input): Σ over n_chunks chunks from
     k_lo of (x · valuesᵀ) · scale — by MMA, or for tiles under `MMA_MIN_ROWS` pairs by fp32 multiply-adds."""
     gemv = acc_rows < MMA_MIN_ROWS
+    if gemv and lin.fmt == "fp4" and dtype == jnp.bfloat16:
+        return _gemv_fp4(x_of, lin_refs, lin, e, rows, k_lo, n_chunks, bk, acc_rows, asm)
 
     def step(c, accs):
         k0 = k_lo + c * bk
@@ -165,20 +197,23 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
-             block_i: int | None = None, block_d: int | None = None, block_k: int | None = None, num_warps: int = 4,
+             block_i: int | None = None, block_d: int | None = None, block_k: int | None = None, num_warps: int | None = None,
              num_stages: int = 3, target_programs: int = 8 * 132, interpret=None, fp4_asm: bool = True):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
     at ≤ `GEMV_TOKENS` tokens: GEMV tiles of up to 4 pairs (a tile with one live pair runs as one row) and
-    256-column chunks where the dims allow (H200: 1.09-1.39x the 16-pair MMA tiles at 1-8 tokens)."""
+    256-column chunks where the dims allow (H200: 1.09-1.39x the 16-pair MMA tiles at 1-8 tokens); at one token
+    128-row output tiles and 8 warps (fewer, longer programs: 1.07x over 32 rows and 4 warps; 1.15x slower at 8
+    tokens)."""
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     gemv = w1.fmt == "fp4" and n <= GEMV_TOKENS
     block_m = block_m or (min(4, 1 << (n - 1).bit_length()) if gemv else 16 if n <= 64 else 32)
     block_k = block_k or (256 if gemv and D % 256 == 0 and I % 256 == 0 else 128)
-    small = 32 if w1.fmt == "fp4" and n <= 64 else 64
-    block_i, block_d = block_i or small, block_d or small
+    one = gemv and n == 1 and I % 128 == 0 and D % 128 == 0
+    small = 128 if one else 32 if w1.fmt == "fp4" and n <= 64 else 64
+    block_i, block_d, num_warps = block_i or small, block_d or small, num_warps or (8 if one else 4)
     dt = x.dtype
     if dt == jnp.float32 or w1.fmt == "f32":
         raise ValueError("moe_gemm pallas: bf16 compute only (fp32 numerics use the xla path)")
