@@ -350,3 +350,24 @@ def test_kernels_bench_times_extra_moe_configs(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             kernels.main(["--ops", "moe", "--smoke", "--moe-configs", bad])
         assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_moe_profile_lists_the_calls_kernels(tmp_path, capsys):
+    """`bench moe_profile`: one traced configuration's kernels by time (the routing sort among them), their sum the
+    call's total; bad token counts and option lists are refused with exit 2."""
+    from dsjax.bench import moe_profile
+
+    out = tmp_path / "p.json"
+    assert moe_profile.main(["--smoke", "--tokens", "2", "--reps", "1", "--implementation", "xla",
+                             "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (prof,) = report["profiles"]
+    assert prof["tokens"] == 2 and len(prof["kernels"]) > 1
+    assert prof["us_per_call"] == pytest.approx(sum(prof["kernels"].values())) and prof["us_per_call"] > 0
+    assert any("sort" in name for name in prof["kernels"]), prof["kernels"]
+    assert "µs a call" in capsys.readouterr().out
+    for bad, says in ((["--tokens", "x"], "--tokens"), (["--tokens", "0"], "positive"),
+                      (["--configs", '[{"block_q": 1}]'], "block_q")):
+        with pytest.raises(SystemExit) as exc:
+            moe_profile.main(["--smoke", *bad])
+        assert exc.value.code == 2 and says in capsys.readouterr().err

@@ -326,13 +326,26 @@ def expert_stack(key, E, out, inn, fmt):
     return stored_linear(w, fmt, 32 if fmt == "fp4" else 128)
 
 
+def moe_shapes(smoke: bool) -> tuple[int, int, int, int]:
+    """(experts, model dim, expert dim, picks per token): V4-Flash's, or tiny ones for a CPU check."""
+    return (16, 256, 256, 6) if smoke else (256, 4096, 2048, 6)
+
+
+def moe_routing(n: int, E: int, D: int, k: int):
+    """Tokens x [n, D] bf16, routing weights [n, k] and k distinct experts per token, seeded by n."""
+    rng = np.random.default_rng(n)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(n)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.05, 0.3, (n, k)), jnp.float32)
+    return jax.random.normal(jax.random.key(n), (n, D), jnp.bfloat16), w, ids
+
+
 def moe_bytes(lins, n_distinct: int) -> int:
     per = sum((l.weight.nbytes + (0 if l.scale is None else l.scale.nbytes)) // l.weight.shape[0] for l in lins)
     return per * n_distinct
 
 
 def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"), only_tokens=None, extra=()):
-    E, D, I, k = (16, 256, 256, 6) if smoke else (256, 4096, 2048, 6)
+    E, D, I, k = moe_shapes(smoke)
     configs = [{}]
     if sweep:
         configs += [dict(block_i=bi, block_d=bi, num_warps=w) for bi in (32, 64, 128) for w in (4, 8)]
@@ -347,10 +360,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
         sizes = (1, 8) if smoke else sizes
         sizes = [t for t in sizes if not only_tokens or t in only_tokens]
         for n in sizes:
-            rng = np.random.default_rng(n)
-            ids = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(n)]), jnp.int32)
-            w = jnp.asarray(rng.uniform(0.05, 0.3, (n, k)), jnp.float32)
-            x = jax.random.normal(jax.random.key(n), (n, D), jnp.bfloat16)
+            x, w, ids = moe_routing(n, E, D, k)
             args = (x, w, ids, *lins)
             nbytes = moe_bytes(lins, len(np.unique(np.asarray(ids)))) + x.nbytes * 3
             run = lambda impl, **o: jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=True,
