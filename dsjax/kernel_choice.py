@@ -24,8 +24,8 @@ def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int) -> bool:
         # window + FP4 rows: 1.10-1.12x at 32 slots, 0.48-0.73x at 1. Prefill shapes were not timed alone, and a
         # 1,024-token slice prefill ran slower with kernels
         return rows >= 32 and chunk <= 16
-    if op == "moe_gemm":        # FP4: 1.28-2.64x at 1-8 tokens, 19x at 1024; bf16/FP8: 2.8-3.2x at 8, slower at 1
-        return fmt == "fp4" or rows >= 8
+    if op == "moe_gemm":        # FP4: 2.5-3.1x at 1-8 tokens, 19x at 1024; FP8 2.3x / 3.7x, bf16 1.95x / 3.0x at
+        return True             # 1 / 8 tokens (12-01, after the tile map's searchsorted loop went)
     if op == "indexer_topk":    # 1M context: 1.30x at 1 slot x 6 queries, 0.94x at 32 slots
         return rows <= 8
     if op == "quant_linear":    # FP8 at ≤ 32 rows (`_covers`): wq_b 3.3-3.65x; the step -14% / -7.5% (V4-Flash
