@@ -197,8 +197,9 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
-             block_i: int | None = None, block_d: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-             num_stages: int = 3, target_programs: int = 8 * 132, interpret=None, fp4_asm: bool = True):
+             block_i: int | None = None, block_d: int | None = None, block_k: int | None = None,
+             num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
+             fp4_asm: bool = True):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
