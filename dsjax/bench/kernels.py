@@ -410,6 +410,44 @@ def bench_linear(emit, sweep: bool, smoke: bool = False):
                              configs if n <= 32 else [{}], timer=time_us_looped)
 
 
+def head_f32(y, w):
+    """The model's LM head (`model.head_rows`, `v41_model.head_logits41`): fp32 rows [n, D] x bf16 weight [V, D]
+    as an fp32 dot at HIGHEST precision."""
+    return jnp.einsum("nd,vd->nv", y, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def head_bf16x3(y, w):
+    """The same head as three bf16 matmuls with fp32 accumulation (a candidate, timed by `bench_head`): y = hi + mid
+    + lo, each bf16 (8 significant bits each hold fp32's 24), and a bf16 x bf16 product is exact in fp32, so only
+    the summation order differs from `head_f32` — on tensor cores instead of fp32 FMA."""
+    parts = jnp.einsum("knd,vd->knv", split_bf16x3(y), w, preferred_element_type=jnp.float32)
+    return (parts[0] + parts[1]) + parts[2]
+
+
+def split_bf16x3(y):
+    """fp32 [..., D] -> bf16 [3, ..., D] (hi, mid, lo) summing to y exactly for normal-range values: each part
+    takes the next 8 significant bits of the remainder, which stays exact in fp32."""
+    hi = y.astype(jnp.bfloat16)
+    r = y - hi.astype(jnp.float32)
+    mid = r.astype(jnp.bfloat16)
+    return jnp.stack([hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)])
+
+
+def bench_head(emit, sweep: bool, smoke: bool = False):
+    """The LM head at decode and verify row counts (V4.1-Flash: 129,280 x 5,120 bf16; the V4.1 slice profile's verify
+    spent 20% of its kernel time in two few-row head GEMMs): the model's fp32 dot vs `head_bf16x3`. Device time."""
+    V, D = (1000, 64) if smoke else (129280, 5120)
+    w = (jax.random.normal(jax.random.key(5), (V, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    for n in ((1, 6) if smoke else (1, 6, 12, 32)):
+        y = jax.random.normal(jax.random.key(n), (n, D), jnp.float32)
+        want = jax.jit(head_f32)(y, w)
+        base = dict(op="lm_head", tokens=n, flops=2 * n * V * D, timing="device loop",
+                    bytes=w.nbytes + y.nbytes + n * V * 4)
+        for name, fn in (("fp32-highest", head_f32), ("bf16x3", head_bf16x3)):
+            f = jax.jit(fn)
+            emit(dict(base, impl=name, us=time_us_looped(f, y, w), rel_diff_vs_fp32=rel_diff(f(y, w), want)))
+
+
 # the Pallas kernel's tuning options, read from its signature (the op's own arguments and `interpret` are not options)
 MOE_OPTIONS = tuple(name for name in inspect.signature(moe_gemm_kernel.moe_gemm).parameters
                     if name not in ("x", "weights", "ids", "w1", "w3", "w2", "swiglu_limit", "act_quant_sim",
@@ -432,8 +470,8 @@ def _kernel_options(text: str) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="moe,mqa,indexer,chunk,mhc,linear",
-                   help="comma-separated: moe, mqa, indexer, chunk, mhc, linear")
+    p.add_argument("--ops", default="moe,mqa,indexer,chunk,mhc,linear,head",
+                   help="comma-separated: moe, mqa, indexer, chunk, mhc, linear, head")
     p.add_argument("--sweep", action="store_true", help="also time a grid of kernel block sizes")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
@@ -444,6 +482,10 @@ def main(argv=None) -> int:
                         '\'[{"block_m": 1, "num_warps": 8}, {"block_k": 256}]\' (keys: moe_gemm\'s Pallas options)')
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    ops = ("moe", "mqa", "indexer", "chunk", "mhc", "linear", "head")
+    unknown = [op for op in args.ops.split(",") if op not in ops]
+    if unknown:
+        p.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(ops)}")
     head = run_info("kernels", argv)
     roof = torch_roofline()
     head.update(roof)
@@ -469,7 +511,7 @@ def main(argv=None) -> int:
     moe = functools.partial(bench_moe, fmts=tuple(args.moe_formats.split(",")),
                             only_tokens={int(t) for t in args.moe_tokens.split(",") if t}, extra=args.moe_configs)
     bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc,
-             "linear": bench_linear}
+             "linear": bench_linear, "head": bench_head}
     for op in args.ops.split(","):
         bench[op](emit, args.sweep, args.smoke)
     return 0
