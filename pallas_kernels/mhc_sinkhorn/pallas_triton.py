@@ -19,7 +19,18 @@ def _sigmoid(x):
 
 
 def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float, block_rows: int = 256, num_warps: int = 4,
-                 interpret=None):
+                 reciprocal: bool = False, interpret=None):
+    """reciprocal: normalise by one reciprocal per row / column sum and n multiplies instead of n fp32 divides
+    (a divide is ~10 instructions; 640 of them per row make the one-row decode call latency-bound, 36 µs in the
+    V4.1 slice profile). Off until timed on the GPU (`bench kernels --ops mhc` times both)."""
+
+    def normalise(xs, total):
+        """Each of xs over total: by one reciprocal and multiplies, or by divides."""
+        if reciprocal:
+            inv = 1.0 / total
+            return [x * inv for x in xs]
+        return [x / total for x in xs]
+
     lead, width = m.shape[:-1], m.shape[-1]
     assert width == (2 + n) * n, (m.shape, n)
     rows = int(jnp.size(m) // width)
@@ -41,15 +52,16 @@ def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float, block_rows: 
                 top = jnp.maximum(top, c[j][k])
             e = [jnp.exp(c[j][k] - top) for k in range(n)]
             tot = sum(e[1:], e[0])
-            c[j] = [e[k] / tot + eps for k in range(n)]
+            c[j] = [v + eps for v in normalise(e, tot)]
 
         def cols(c):                                                 # divide each column by its sum + eps
             sums = [sum((c[j][k] for j in range(1, n)), c[0][k]) + eps for k in range(n)]
-            return [[c[j][k] / sums[k] for k in range(n)] for j in range(n)]
+            by_col = [normalise([c[j][k] for j in range(n)], sums[k]) for k in range(n)]
+            return [[by_col[k][j] for k in range(n)] for j in range(n)]
 
         def rows_(c):
             sums = [sum(c[j][1:], c[j][0]) + eps for j in range(n)]
-            return [[c[j][k] / sums[j] for k in range(n)] for j in range(n)]
+            return [normalise(c[j], sums[j]) for j in range(n)]
 
         c = cols(c)
         for _ in range(iters - 1):
