@@ -461,7 +461,7 @@ MOE_OPTIONS = tuple(name for name in inspect.signature(moe_gemm_kernel.moe_gemm)
                                     "act_quant_block", "interpret"))
 
 
-def _kernel_options(text: str) -> list[dict]:
+def moe_option_list(text: str) -> list[dict]:
     """--moe-configs: a JSON list of option objects, each key one of `MOE_OPTIONS` (a clear error otherwise)."""
     try:
         configs = json.loads(text)
@@ -484,7 +484,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
     p.add_argument("--moe-formats", default="fp4,fp8,bf16", help="MoE expert formats to time")
     p.add_argument("--moe-tokens", default="", help="only these MoE token counts (comma-separated; default all)")
-    p.add_argument("--moe-configs", default="[]", type=_kernel_options,
+    p.add_argument("--moe-configs", default="[]", type=moe_option_list,
                    help='extra MoE kernel options to time beside the defaults, a JSON list of objects, e.g. '
                         '\'[{"block_m": 1, "num_warps": 8}, {"block_k": 256}]\' (keys: moe_gemm\'s Pallas options)')
     argv = sys.argv[1:] if argv is None else argv

@@ -38,12 +38,12 @@ def kernel_times(fn, args, reps: int) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    from dsjax.bench.kernels import _kernel_options
+    from dsjax.bench.kernels import moe_option_list
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,8", help="token counts (comma-separated)")
     p.add_argument("--format", default="fp4", choices=("fp4", "fp8", "bf16"), help="expert weight format")
-    p.add_argument("--configs", default="[{}]", type=_kernel_options,
+    p.add_argument("--configs", default="[{}]", type=moe_option_list,
                    help="JSON list of Pallas kernel options (moe_gemm keywords), one profile each")
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
     p.add_argument("--reps", type=int, default=20, help="calls traced per configuration")
