@@ -275,15 +275,15 @@ def bench_mhc(emit, sweep: bool, smoke: bool = False):
         run = lambda impl, **o: jax.jit(functools.partial(mhc_sinkhorn.mhc_sinkhorn, n=n, iters=20, eps=1e-6,
                                                           implementation=impl, **o))
         looped = rows <= 6                  # decode / verify: device time (one call is shorter than a dispatch)
-        timer, base = (time_us_looped, "device loop") if looped else (time_us, "dispatches")
+        timer, timing = (time_us_looped, "device loop") if looped else (time_us, "dispatches")
         unrolled = run("reference")
         emit(dict(op="mhc_sinkhorn", rows=rows, impl="reference (unrolled)", us=timer(unrolled, *args),
-                  bytes=m.nbytes * 2, timing=base))
+                  bytes=m.nbytes * 2, timing=timing))
         # at decode / verify: a reciprocal per sum instead of divides, and small blocks (the step profile: 36 µs a
         # one-row call, latency-bound)
         small = [dict(reciprocal=True), dict(block_rows=32), dict(block_rows=32, num_warps=1),
                  dict(block_rows=32, num_warps=1, reciprocal=True)] if looped else []
-        side_by_side(emit, run, args, dict(op="mhc_sinkhorn", rows=rows, timing=base), m.nbytes * 2,
+        side_by_side(emit, run, args, dict(op="mhc_sinkhorn", rows=rows, timing=timing), m.nbytes * 2,
                      [{}] + small + ([dict(block_rows=b) for b in (64, 128, 512)] if sweep and rows >= 2048 else []),
                      timer=timer)
 
