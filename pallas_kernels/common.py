@@ -435,7 +435,8 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
     `fp4_words` view, 8 codes a word, low nibble first): one piece per nibble position p — columns 8j + p of the
     chunk's words j, never interleaved — with each value times its block's scale (exact: a power of two times an
     e2m1 value), so a piece may span several scale blocks and keeps a dot's contraction ≥ 16 wide. asm (compiled
-    kernels, bf16): the FP4 values come from `fp4_bf16_asm` (the same numbers in ~4 integer ops per value)."""
+    kernels, bf16): the FP4 values come from `fp4_bf16_asm` (the same numbers in ~4 integer ops per value); asked
+    for fp32 (GEMV tiles' multiply-adds), from `fp4_f32_values` with no bf16 step."""
     r2 = rows[:, None]
     if fmt == "fp4":
         if block % 8 or bk % 8:
@@ -445,8 +446,8 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
         scale = e8m0_to_f32(gather(s_ref, e, r2, (jw * 8 // block)[None, :]))
         if asm and dtype == jnp.bfloat16:
             return [(8 * jw + p, v, None) for p, v in enumerate(fp4_bf16_asm(words, scale))]
-        return [(8 * jw + p, (fp4_code_to_f32((words >> (4 * p)) & 0xF) * scale).astype(dtype), None)
-                for p in range(8)]
+        values = fp4_f32_values(words, scale, asm and dtype == jnp.float32)    # fp32: no bf16 step, no converts
+        return [(8 * jw + p, v.astype(dtype), None) for p, v in enumerate(values)]
     cols = iota(bk) + k0
     vals = gather(w_ref, e, r2, cols[None, :]).astype(dtype)
     scale = e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block)) if fmt == "fp8" else None

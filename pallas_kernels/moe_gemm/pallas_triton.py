@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsjax import quant
-from dsjax.kernels.common import (check_offsets, dot_nt, e8m0_to_f32, fp4_f32_values, fp4_words, gather, iota,
-                                  round_bf, triton_interpret, triton_params, weight_pieces)
+from dsjax.kernels.common import (check_offsets, dot_nt, fp4_words, gather, iota, round_bf, triton_interpret,
+                                  triton_params, weight_pieces)
 from dsjax.kernels.moe_gemm.xla import merged_pair_weights
 from dsjax.layers import moe as _moe
 from dsjax.numerics import sum_in_order
@@ -67,54 +67,22 @@ def piece_columns(lin, bk: int) -> int:
     return bk // 8 if lin.fmt == "fp4" else bk
 
 
-def _gemv_fp4(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, acc_rows: int, asm: bool):
-    """`_project` for GEMV tiles of FP4 experts: fp32 [acc_rows, len(rows)] per Linear. Each chunk's words are
-    decoded straight to fp32 (`fp4_f32_values`: no bf16 -> fp32 converts), multiplied and added per (pair, weight
-    row, word slot); one reduction at the end. The same sums in the same order as the generic GEMV form, so the same
-    bits; H200: 1.10x / 1.12x faster at 1 / 8 tokens. (Loading chunk c + 1 while c is decoded, carried through the
-    loop, was 1.08x faster at 1 token but 1.5x slower at 8: not kept.)"""
-    nw, r2 = bk // 8, rows[:, None]
-
-    def words_of(c):
-        return iota(nw) + (k_lo + c * bk) // 8
-
-    def load(jw):
-        jw = jw[None, :]
-        return tuple((gather(w, e, r2, jw), gather(s, e, r2, jw * 8 // lin.block)) for w, s in lin_refs)
-
-    def step(c, accs):
-        jw = words_of(c)
-        xs = [x_of(8 * jw + p).astype(jnp.float32)[:, None, :] for p in range(8)]
-        out = []
-        for acc, (words, s8) in zip(accs, load(jw)):
-            for xp, v in zip(xs, fp4_f32_values(words, e8m0_to_f32(s8), asm)):
-                acc = acc + xp * v[None, :, :]
-            out.append(acc)
-        return tuple(out)
-
-    zeros = tuple(jnp.zeros((acc_rows, rows.shape[0], nw), jnp.float32) for _ in lin_refs)
-    accs = jax.lax.fori_loop(0, n_chunks, step, zeros)
-    return tuple(a.sum(axis=2) for a in accs)
-
-
 def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int, asm: bool):
     """fp32 [acc_rows, len(rows)] per Linear in lin_refs (sharing one input): Σ over n_chunks chunks from
     k_lo of (x · valuesᵀ) · scale — by MMA, or for tiles under `MMA_MIN_ROWS` pairs by fp32 multiply-adds."""
     gemv = acc_rows < MMA_MIN_ROWS
-    if gemv and lin.fmt == "fp4" and dtype == jnp.bfloat16:
-        return _gemv_fp4(x_of, lin_refs, lin, e, rows, k_lo, n_chunks, bk, acc_rows, asm)
+    vals_dtype = jnp.float32 if gemv else dtype     # GEMV tiles take the weights as fp32 (FP4: decoded straight to it)
 
     def step(c, accs):
         k0 = k_lo + c * bk
-        pieces = [weight_pieces(w, s, e, rows, k0, bk, lin.fmt, lin.block, dtype, asm) for w, s in lin_refs]
+        pieces = [weight_pieces(w, s, e, rows, k0, bk, lin.fmt, lin.block, vals_dtype, asm) for w, s in lin_refs]
         xs = [x_of(cols) for cols, _, _ in pieces[0]]
+        xs = [x.astype(jnp.float32)[:, None, :] for x in xs] if gemv else xs
         out = []
         for acc, lin_pieces in zip(accs, pieces):
             for xp, (_, vals, scale) in zip(xs, lin_pieces):
                 if gemv:
-                    v = vals.astype(jnp.float32)
-                    v = v if scale is None else v * scale[:, None]
-                    acc = acc + xp.astype(jnp.float32)[:, None, :] * v[None, :, :]
+                    acc = acc + xp * (vals if scale is None else vals * scale[:, None])[None, :, :]
                 else:
                     part = dot_nt(xp, vals)
                     acc = acc + (part if scale is None else part * scale[None, :])
