@@ -11,7 +11,6 @@ Prints per configuration the total device time per call and the kernels by time;
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import json
 import os
@@ -22,7 +21,7 @@ import tempfile
 def kernel_times(fn, args, reps: int) -> dict[str, float]:
     """µs per call of each kernel (by HLO name) over `reps` traced calls of the jitted fn."""
     import jax
-    from dsjax.bench.profile import trace_events
+    from dsjax.bench.profile import kernel_totals, trace_events
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
@@ -31,10 +30,7 @@ def kernel_times(fn, args, reps: int) -> dict[str, float]:
                 out = fn(*args)
             jax.block_until_ready(out)
         events = trace_events(d)
-    by = collections.Counter()
-    for e in events:
-        by[e.get("args", {}).get("hlo_op") or e["name"]] += float(e.get("dur", 0.0)) / reps
-    return dict(by.most_common())
+    return {name: us / reps for name, us in kernel_totals(events).most_common()}
 
 
 def main(argv=None) -> int:

@@ -104,14 +104,25 @@ def trace_events(trace_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
 
 
+def kernel_name(event: dict) -> str:
+    """A trace event's kernel: the HLO instruction it names when it names one, else the event's own name."""
+    return event.get("args", {}).get("hlo_op") or event["name"]
+
+
+def kernel_totals(events: list[dict]) -> collections.Counter:
+    """µs per kernel name, summed over the events."""
+    totals = collections.Counter()
+    for e in events:
+        totals[kernel_name(e)] += float(e.get("dur", 0.0))
+    return totals
+
+
 def attribute(events: list[dict], sources: dict[str, dict], steps: int) -> dict:
     """Per kernel name and per source line: total µs per step, share of the device time."""
-    by_kernel = collections.Counter()
+    by_kernel = kernel_totals(events)
     args_of = {}
     for e in events:
-        name = e.get("args", {}).get("hlo_op") or e["name"]
-        by_kernel[name] += float(e.get("dur", 0.0))
-        args_of.setdefault(name, e.get("args", {}))
+        args_of.setdefault(kernel_name(e), e.get("args", {}))
     total = sum(by_kernel.values()) or 1.0
     by_line = collections.Counter()
     by_file = collections.Counter()
