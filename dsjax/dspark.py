@@ -20,6 +20,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.attention import output_projection, sink_attention, update_ring
 from dsjax.layers.csa2 import project_kv, project_q
 from dsjax.layers.linear import linear
+from dsjax.layers.lm_head import lm_head
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_angles
 from dsjax.layers.rows import per_token
@@ -105,9 +106,7 @@ def markov(params: Model41, token):
     """The Markov head on the previous block token [B]: (logit bias float32 [B,V], embedding [B,rank])."""
     mh = params.mtp[-1].markov_head
     m = mh.embed[token]
-    bias = jnp.einsum("br,vr->bv", m.astype(jnp.float32), mh.head.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
-    return bias, m
+    return lm_head(m, mh.head), m
 
 
 def confidence(params: Model41, y, m):

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from dsjax.config import ModelConfig
 from dsjax.layers.attention import attention, commit_layer
 from dsjax.layers.hyper_connections import hc_head, hc_post, hc_pre
+from dsjax.layers.lm_head import lm_head
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rows import per_token
@@ -129,12 +130,12 @@ def head_logits(h, params: Model, cfg: ModelConfig, hc, norm_w):
     return scatter_vocab(logits, params, cfg) if cfg.head_vocab_size else logits
 
 
-def head_rows(h, params: Model, cfg: ModelConfig, hc, norm_w):
-    """V4's head over its own rows: [b,s,V] for a full vocabulary, [b,s,head_vocab_size] for a reduced one."""
+def head_rows(h, params: Model, cfg: ModelConfig, hc, norm_w, head_method: str = "auto"):
+    """V4's head over its own rows: [b,s,V] for a full vocabulary, [b,s,head_vocab_size] for a reduced one.
+    `head_method`: `lm_head`'s (training asks for "fp32")."""
     def head(h):
         y = rms_norm(hc_head(h, hc, cfg), norm_w, cfg.norm_eps)
-        return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST)
+        return lm_head(y, params.head, head_method)
 
     return per_token(cfg, head, h)
 

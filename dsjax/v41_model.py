@@ -16,6 +16,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.csa2 import attention41, commit_layer41
 from dsjax.layers.engram import engram, engram_rows, hash_ids, next_history
 from dsjax.layers.hyper_connections import _mixes, hc_post, mixes_split
+from dsjax.layers.lm_head import lm_head
 from dsjax.layers.moe import moe
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rows import per_token
@@ -160,8 +161,7 @@ def head_logits41(y, params: Model41, cfg: ModelConfig, norm_w=None):
     weight in fp32). y [b,s,D] -> [b,s,V] float32."""
     def head(y):
         y = rms_norm(y, params.norm if norm_w is None else norm_w, cfg.norm_eps)
-        return jnp.einsum("bsd,vd->bsv", y.astype(jnp.float32), params.head.astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST)
+        return lm_head(y, params.head)
 
     return per_token(cfg, head, y)
 

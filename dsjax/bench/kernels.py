@@ -35,6 +35,7 @@ from dsjax.bench.roofline import torch_roofline
 from dsjax.kernels import chunk_attention, indexer_topk, mhc_sinkhorn, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
 from dsjax.kernels.moe_gemm import pallas_triton as moe_gemm_kernel
+from dsjax.layers.lm_head import lm_head
 from dsjax.weights import stored_linear
 
 
@@ -417,41 +418,18 @@ def bench_linear(emit, sweep: bool, smoke: bool = False):
                              configs if n <= 32 else [{}], timer=time_us_looped)
 
 
-def head_f32(y, w):
-    """The model's LM head (`model.head_rows`, `v41_model.head_logits41`): fp32 rows [n, D] x bf16 weight [V, D]
-    as an fp32 dot at HIGHEST precision."""
-    return jnp.einsum("nd,vd->nv", y, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-
-
-def head_bf16x3(y, w):
-    """The same head as three bf16 matmuls with fp32 accumulation (a candidate, timed by `bench_head`): y = hi + mid
-    + lo, each bf16 (8 significant bits each hold fp32's 24), and a bf16 x bf16 product is exact in fp32, so only
-    the summation order differs from `head_f32` — on tensor cores instead of fp32 FMA."""
-    parts = jnp.einsum("knd,vd->knv", split_bf16x3(y), w, preferred_element_type=jnp.float32)
-    return (parts[0] + parts[1]) + parts[2]
-
-
-def split_bf16x3(y):
-    """fp32 [..., D] -> bf16 [3, ..., D] (hi, mid, lo) summing to y exactly for normal-range values: each part
-    takes the next 8 significant bits of the remainder, which stays exact in fp32."""
-    hi = y.astype(jnp.bfloat16)
-    r = y - hi.astype(jnp.float32)
-    mid = r.astype(jnp.bfloat16)
-    return jnp.stack([hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)])
-
-
 def bench_head(emit, sweep: bool, smoke: bool = False):
     """The LM head at decode and verify row counts (V4.1-Flash: 129,280 x 5,120 bf16; the V4.1 slice profile's verify
-    spent 20% of its kernel time in two few-row head GEMMs): the model's fp32 dot vs `head_bf16x3`. Device time."""
+    spent 20% of its kernel time in two few-row head GEMMs): `lm_head`'s fp32 dot vs its exact bf16 split. Device time."""
     V, D = (1000, 64) if smoke else (129280, 5120)
     w = (jax.random.normal(jax.random.key(5), (V, D), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    for n in ((1, 6) if smoke else (1, 6, 12, 32)):
+    for n in ((1, 6) if smoke else (1, 6, 12, 32, 192, 512)):
         y = jax.random.normal(jax.random.key(n), (n, D), jnp.float32)
-        want = jax.jit(head_f32)(y, w)
+        want = jax.jit(functools.partial(lm_head, method="fp32"))(y, w)
         base = dict(op="lm_head", tokens=n, flops=2 * n * V * D, timing="device loop",
                     bytes=w.nbytes + y.nbytes + n * V * 4)
-        for name, fn in (("fp32-highest", head_f32), ("bf16x3", head_bf16x3)):
-            f = jax.jit(fn)
+        for name, method in (("fp32-highest", "fp32"), ("bf16x3", "bf16x3")):
+            f = jax.jit(functools.partial(lm_head, method=method))
             emit(dict(base, impl=name, us=time_us_looped(f, y, w), rel_diff_vs_fp32=rel_diff(f(y, w), want)))
 
 

@@ -88,7 +88,7 @@ def losses(params, cfg: ModelConfig, token_ids):
     h, _ = forward_hidden_chunk(params, cfg, token_ids, state)
     rows = token_rows(params, cfg, token_ids)
     pos = jnp.arange(s)
-    main = cross_entropy(head_rows(h, params, cfg, params.hc_head, params.norm)[:, :-1], rows[:, 1:],
+    main = cross_entropy(head_rows(h, params, cfg, params.hc_head, params.norm, "fp32")[:, :-1], rows[:, 1:],
                          jnp.ones((b, s - 1), jnp.float32))
     if not cfg.n_mtp_layers:
         return main, jnp.zeros((), jnp.float32)
@@ -97,7 +97,7 @@ def losses(params, cfg: ModelConfig, token_ids):
     z, _ = mtp_hidden(params, cfg, h, nxt, state.mtp[0],
                       jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32))
     w = params.mtp[0]
-    mtp_logits = head_rows(z, params, cfg, w.hc_head, w.norm)
+    mtp_logits = head_rows(z, params, cfg, w.hc_head, w.norm, "fp32")
     tgt = jnp.concatenate([rows[:, 2:], rows[:, :2]], axis=1)
     mask = jnp.broadcast_to((pos < s - 2).astype(jnp.float32), (b, s))
     return main, cross_entropy(mtp_logits, tgt, mask)
