@@ -18,9 +18,14 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float, block_rows: int = 256, num_warps: int = 4,
-                 reciprocal: bool = False, interpret=None):
-    """reciprocal: normalise by one reciprocal per row / column sum and n multiplies instead of n fp32 divides
+SMALL_BLOCK = 32  # rows: decode and verify calls fit one such program
+
+
+def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float, block_rows: int | None = None,
+                 num_warps: int | None = None, reciprocal: bool = False, interpret=None):
+    """block_rows / num_warps: by default one 32-row, one-warp program for ≤ 32 rows (decode / verify: 16 vs 22 µs a
+    one-row call on the H200, where 256 rows x 4 warps computed 255 padding rows), 256 rows x 4 warps above.
+    reciprocal: normalise by one reciprocal per row / column sum and n multiplies instead of n fp32 divides
     (a divide is ~10 instructions; 640 of them per row make the one-row decode call latency-bound, 36 µs in the
     V4.1 slice profile). Off until timed on the GPU (`bench kernels --ops mhc` times both)."""
 
@@ -34,6 +39,8 @@ def mhc_sinkhorn(m, scale, base, *, n: int, iters: int, eps: float, block_rows: 
     lead, width = m.shape[:-1], m.shape[-1]
     assert width == (2 + n) * n, (m.shape, n)
     rows = int(jnp.size(m) // width)
+    block_rows = block_rows or (SMALL_BLOCK if rows <= SMALL_BLOCK else 256)
+    num_warps = num_warps or (1 if block_rows <= SMALL_BLOCK else 4)
     m2 = pad_axis(m.reshape(rows, width).astype(jnp.float32), 0, block_rows, 0.0)
     R = m2.shape[0]
 
