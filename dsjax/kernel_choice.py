@@ -31,8 +31,8 @@ def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int) -> bool:
     if op == "quant_linear":    # FP8 at ≤ 32 rows (`_covers`): wq_b 3.3-3.65x; the step -14% / -7.5% (V4-Flash
         # slice), -22% / -13% (V4.1 slice). Small projections are launch-bound either way (0.87-1.8x)
         return fmt == "fp8"
-    if op == "mhc_sinkhorn":    # 2.9x at 1 row, 1.75x at 6, 2.3x at 192, 2.2x at 2,048 (vs the scan)
-        return True
+    if op == "mhc_sinkhorn":    # 2.3x at 192, 2.2x at 2,048 (vs the scan); at decode / verify the V4.1 slice step
+        return True             # with XLA's scan instead: 4.24 -> 5.48 ms / 9.72 -> 11.54 ms (2026-12-02)
     return False
 
 
