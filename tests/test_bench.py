@@ -373,9 +373,26 @@ def test_moe_profile_lists_the_calls_kernels(tmp_path, capsys):
         assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_moe_profile_names_each_kernels_source_line(tmp_path):
+    """`moe_profile --dump`: in a fresh process (XLA reads the dump flag at start-up), every kernel gets a source
+    entry, and the expert matmuls' kernels point at the MoE op's own files."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "dsjax.bench.moe_profile", "--smoke", "--tokens", "2", "--reps", "1",
+                           "--implementation", "xla", "--dump", str(tmp_path / "dump"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (prof,) = json.loads(out.read_text())["profiles"]
+    assert set(prof["sources"]) == set(prof["kernels"])
+    top = max(prof["kernels"], key=prof["kernels"].get)
+    assert "moe_gemm/" in prof["sources"][top], (top, prof["sources"])
+
+
 def test_kernels_bench_times_the_lm_head_both_ways(tmp_path, capsys):
-    """`bench kernels --ops head`: the model's fp32 head and the three-bf16-matmul candidate, both timed, their
-    logits equal up to fp32 summation order (every product is exact in both); an unknown op exits 2."""
+    """`bench kernels --ops head`: `lm_head`'s fp32 dot and its exact bf16 split, both timed, their logits equal up
+    to fp32 summation order (every product is exact in both); an unknown op exits 2."""
     from dsjax.bench import kernels
 
     out = tmp_path / "h.jsonl"

@@ -4,6 +4,7 @@ XLA's command buffers off so each kernel shows by its HLO name. How the tile map
 found (docs/benchmarks.md, "MoE expert GEMM").
 
     python -m dsjax.bench.moe_profile --tokens 1,8 --format fp4 --configs '[{}, {"block_m": 1}]'
+    python -m dsjax.bench.moe_profile --tokens 1 --dump /tmp/moe-dump      # + each kernel's dsjax source line
 
 Prints per configuration the total device time per call and the kernels by time; --out writes it as JSON.
 """
@@ -18,10 +19,11 @@ import sys
 import tempfile
 
 
-def kernel_times(fn, args, reps: int) -> dict[str, float]:
-    """µs per call of each kernel (by HLO name) over `reps` traced calls of the jitted fn."""
+def kernel_times(fn, args, reps: int, dump: str | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """µs per call of each kernel (by HLO name) over `reps` traced calls of the jitted fn, and with `dump` (the
+    directory XLA dumped the optimised HLO into) each kernel's dsjax source line (`profile.hlo_sources`)."""
     import jax
-    from dsjax.bench.profile import kernel_totals, trace_events
+    from dsjax.bench.profile import hlo_sources, kernel_name, kernel_totals, source_of, trace_events
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
@@ -30,7 +32,11 @@ def kernel_times(fn, args, reps: int) -> dict[str, float]:
                 out = fn(*args)
             jax.block_until_ready(out)
         events = trace_events(d)
-    return {name: us / reps for name, us in kernel_totals(events).most_common()}
+    times = {name: us / reps for name, us in kernel_totals(events).most_common()}
+    if not dump:
+        return times, {}
+    sources, modules = hlo_sources(dump), {kernel_name(e): e.get("args", {}).get("hlo_module", "") for e in events}
+    return times, {name: source_of(sources, modules[name], name).get("source", "?") for name in times}
 
 
 def main(argv=None) -> int:
@@ -46,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12, help="kernels printed per configuration")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (a CPU check)")
     p.add_argument("--out", default=None, help="write the per-kernel times here (JSON)")
+    p.add_argument("--dump", default=None, help="dump XLA's optimised HLO here and name each kernel's dsjax source "
+                   "line (a fresh process: the flag must reach XLA before its first compile)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         tokens = [int(t) for t in args.tokens.split(",")]
@@ -55,6 +63,8 @@ def main(argv=None) -> int:
         p.error("--tokens and --reps must be positive")
     # each kernel under its own name: XLA's command buffers would fold the glue into one event
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+    if args.dump:
+        os.environ["XLA_FLAGS"] += f" --xla_dump_to={args.dump} --xla_dump_hlo_as_text"
 
     import jax
     from dsjax.bench.kernels import expert_stack, moe_routing, moe_shapes
@@ -74,13 +84,14 @@ def main(argv=None) -> int:
             extra = dict(interpret=True) if args.smoke and args.implementation == "pallas" else {}
             fn = jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=True,
                                            act_quant_block=128, implementation=args.implementation, **cfg, **extra))
-            times = kernel_times(fn, (x, w, ids, *lins), args.reps)
+            times, where = kernel_times(fn, (x, w, ids, *lins), args.reps, args.dump)
             total = sum(times.values())
-            report["profiles"].append(dict(tokens=n, options=cfg, us_per_call=total, kernels=times))
+            report["profiles"].append(dict(tokens=n, options=cfg, us_per_call=total, kernels=times,
+                                           **(dict(sources=where) if args.dump else {})))
             print(f"{n} tokens, {args.format}, {args.implementation} {json.dumps(cfg)}: {total:.1f} µs a call, "
                   f"{len(times)} kernels")
             for name, us in list(times.items())[:args.top]:
-                print(f"  {us:9.1f} µs  {name}")
+                print(f"  {us:9.1f} µs  {name}" + (f"  ({where[name]})" if args.dump else ""))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

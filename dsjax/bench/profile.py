@@ -117,6 +117,11 @@ def kernel_totals(events: list[dict]) -> collections.Counter:
     return totals
 
 
+def source_of(sources: dict, module: str, name: str) -> dict:
+    """`hlo_sources`' entry for kernel `name` of HLO module `module` ({} when the dump does not name it)."""
+    return sources.get((module, name)) or sources.get((module, name.split(".")[0])) or {}
+
+
 def attribute(events: list[dict], sources: dict[str, dict], steps: int) -> dict:
     """Per kernel name and per source line: total µs per step, share of the device time."""
     by_kernel = kernel_totals(events)
@@ -129,7 +134,7 @@ def attribute(events: list[dict], sources: dict[str, dict], steps: int) -> dict:
     kernels = []
     for name, us in by_kernel.most_common():
         module = args_of[name].get("hlo_module", "")
-        meta = sources.get((module, name)) or sources.get((module, name.split(".")[0])) or {}
+        meta = source_of(sources, module, name)
         where = meta.get("source", "?")
         by_line[where] += us
         by_file[where.split(":")[0]] += us
