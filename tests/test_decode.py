@@ -77,7 +77,13 @@ def test_chunked_prefill_and_decode_reference_presets(numerics, test_seed):
     noise = 0.34 if numerics == "reference-bf16" else 1.02
     print(f"{numerics}: median per-position max|Δ| {np.median(per_pos):.3f}, max {per_pos.max():.3f}")
     assert np.median(per_pos) <= noise
-    assert np.mean(got.argmax(-1) == full.argmax(-1)) >= 0.9
+    # Near-ties may flip under rounding (seed 1972213125 flipped 16 of 120 fp8 positions, all with top-1 margins
+    # under 0.7); where the full forward's top-1 margin exceeds the reference's own noise, the argmax must hold.
+    top2 = np.sort(full, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > noise
+    assert clear.sum() >= 5, f"only {clear.sum()} positions with a clear top-1; the check below would be empty"
+    flipped = np.nonzero(clear & (got.argmax(-1) != full.argmax(-1)))
+    assert flipped[0].size == 0, f"argmax flipped at clear positions {list(zip(*flipped))}"
 
 
 @functools.lru_cache(maxsize=None)
