@@ -13,7 +13,7 @@ from lower_h200 import lower_for_h200
 
 from dsjax import kv_rows, quant
 from dsjax.kernels.chunk_attention import chunk_attention, compressed_segment, window_segment
-from dsjax.kernels.chunk_attention.pallas_triton import block_ranges
+from dsjax.kernels.chunk_attention.rows import block_ranges
 from dsjax.kernels.common import MainRowFormat
 from dsjax.layers.attention import compressed_visible, sink_attention, window_keys
 from dsjax.kernels.common import load_rows

@@ -223,11 +223,12 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
     emit(dict(op="matmul", impl="jnp", shape="8192^3 bf16", TFLOPs=mm))
     cases = [("hca", 2048), ("csa", 2048)] if smoke else [
         (kind, ctx) for ctx in (8192, 65536, 131072, 1 << 20) for kind in ("window", "hca", "csa")]
-    configs = [{}]
+    configs = [{}, dict(backend="mosaic")]        # the Triton kernel and the Mosaic GPU (wgmma) one
     if sweep:
         configs += [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st) for bq, bk, w, st in (
             (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3),
             (128, 64, 8, 1), (32, 64, 4, 2))]
+        configs += [dict(backend="mosaic", block_k=bk, stages=st) for bk, st in ((32, 2), (32, 3), (32, 4))]
     T = 256 if smoke else 1024
     for kind, ctx in cases:
         args, fmt, pairs = chunk_case(jax.random.key(3), ctx, kind, T=T)
@@ -243,14 +244,16 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
         base = dict(op="chunk_attention", case=f"{kind}@{ctx // 1024}k", tokens=T, context=ctx, flops=flops,
                     matmul_TFLOPs_jnp=mm)
         if kind == "csa" and ctx > 131072:      # the dense-mask XLA path would score all 262k entries per query
-            us = time_us(run("pallas"), *args)
-            emit(dict(base, impl="pallas", options={}, us=us, bytes=nbytes, TFLOPs=flops / us / 1e6))
+            for opts in configs[:2]:
+                us = time_us(run("pallas", **opts), *args)
+                emit(dict(base, impl="pallas", options=opts, us=us, bytes=nbytes, TFLOPs=flops / us / 1e6,
+                          of_matmul_jnp=(flops / us / 1e6 / mm) if mm else None))
             continue
         xla_fn = run("xla")
         want = xla_fn(*args)
         t_xla = time_us(xla_fn, *args, calls=5)
         emit(dict(base, impl="xla", us=t_xla, bytes=nbytes, TFLOPs=flops / t_xla / 1e6))
-        for opts in (configs if kind == "hca" and ctx == 131072 else configs[:1]):
+        for opts in (configs if kind == "hca" and ctx == 131072 else configs[:2]):
             try:
                 fn = run("pallas", **opts)
                 err = rel_diff(fn(*args), want)

@@ -70,18 +70,22 @@ def chunk_attention(q, q_pos, sink, segments, picks=None, *, scale: float,
     Returns [B, T, H, d] in q.dtype: `dsjax.layers.attention.sink_attention` over each query's visible keys
     (segments in order, then its picks); 0 for a query with no visible key.
 
-    implementation: "reference" (tests), "xla" (dense masked partials per segment), "pallas" (Triton-lowered
-    flash kernel visiting only the visible key blocks; the HLO interpreter off-GPU). kernel_options (block_q,
-    block_k, num_warps, num_stages, interpret) go to the Pallas kernel only.
+    implementation: "reference" (tests), "xla" (dense masked partials per segment), "pallas" (a flash kernel
+    visiting only the visible key blocks). kernel_options go to the Pallas kernel only: backend "triton" (default;
+    block_q, block_k, num_warps, num_stages, interpret — the HLO interpreter off-GPU) or "mosaic" (Mosaic GPU,
+    wgmma with the head dimension split over two warpgroups; block_k, stages, interpret — Mosaic GPU interpret
+    mode off-GPU).
     """
-    from dsjax.kernels.chunk_attention import pallas_triton, reference, xla
+    from dsjax.kernels.chunk_attention import pallas_gpu, pallas_triton, reference, xla
     impl = check_implementation(implementation)
     args = (q, q_pos, sink, list(segments), picks)
     if impl == "reference":
         return reference.chunk_attention(*args, scale=scale, row_format=row_format)
     if impl == "xla":
         return xla.chunk_attention(*args, scale=scale, row_format=row_format)
-    return pallas_triton.chunk_attention(*args, scale=scale, row_format=row_format, **kernel_options)
+    backend = kernel_options.pop("backend", "triton")
+    module = {"triton": pallas_triton, "mosaic": pallas_gpu}[backend]
+    return module.chunk_attention(*args, scale=scale, row_format=row_format, **kernel_options)
 
 
 def visible(seg: Segment, q_pos):

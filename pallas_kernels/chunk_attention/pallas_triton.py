@@ -21,21 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.chunk_attention.api import NEVER
-from dsjax.kernels.common import (check_offsets, flash_init, flash_scores, flash_step, gather, load_rows, pad_axis,
-                                  row_width, triton_interpret, triton_params)
-from dsjax.kernels.sparse_mqa import pallas_triton as sparse_pallas
-from dsjax.kernels.sparse_mqa.xla import combine
-
-
-def block_ranges(row_pos, lo, hi, block_q: int, block_k: int):
-    """Per program of block_q rows: [first, last) key blocks holding every key some row sees. Rows are ascending
-    in position, lo / hi nondecreasing: visible keys satisfy hi > first row's position and lo <= last row's."""
-    first, last = row_pos[:, ::block_q], row_pos[:, block_q - 1::block_q]                     # [B, P]
-    begin = jax.vmap(lambda h, p: jnp.searchsorted(h, p, side="right"))(hi, first)
-    end = jax.vmap(lambda l, p: jnp.searchsorted(l, p, side="right"))(lo, last)
-    kb0 = begin // block_k
-    return kb0, jnp.maximum(kb0, -(-end // block_k))
+from dsjax.kernels.chunk_attention.rows import chunk_rows, merge_picks
+from dsjax.kernels.common import (check_offsets, flash_init, flash_scores, flash_step, gather, triton_interpret,
+                                  triton_params)
 
 
 def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format, block_q: int = 64,
@@ -43,29 +31,9 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
     """Defaults as the sparse MQA kernel's H200 sweep winner (64 rows x 64 keys, 8 warps)."""
     B, T, H, d = q.shape
     dt = q.dtype
-    kvs, los, his, bases = [], [], [], []
-    n = 0
-    for seg in segments:
-        assert row_width(seg.kv, row_format) == d, (seg.kv.shape, row_format, d)
-        kvs.append(pad_axis(load_rows(seg.kv, row_format).astype(dt) if seg.kv.dtype == jnp.uint8 else seg.kv,
-                            1, block_k, 0))
-        los.append(pad_axis(seg.lo, 1, block_k, NEVER))
-        his.append(pad_axis(seg.hi, 1, block_k, NEVER))
-        bases.append(n // block_k)
-        n += kvs[-1].shape[1]
-    kv, lo, hi = (jnp.concatenate(x, axis=1) for x in (kvs, los, his))
-
-    rows = T * H
-    q2 = pad_axis(q.reshape(B, rows, d), 1, block_q, 0)
-    row_pos = jnp.repeat(q_pos.astype(jnp.int32), H, axis=1)
-    row_pos = jnp.pad(row_pos, ((0, 0), (0, q2.shape[1] - rows)), mode="edge")
-    P = q2.shape[1] // block_q
-    ranges = []
-    for base, l_, h_ in zip(bases, los, his):
-        kb0, kb1 = block_ranges(row_pos, l_, h_, block_q, block_k)
-        ranges += [kb0 + base, kb1 + base]
-    ranges = jnp.stack(ranges, axis=-1).astype(jnp.int32)                                      # [B, P, 2·nseg]
-    row_sink = jnp.tile(sink.astype(jnp.float32), (q2.shape[1] + H - 1) // H)[: q2.shape[1]]
+    cr = chunk_rows(q, q_pos, sink, segments, row_format, block_q, block_k)
+    q2, row_pos, row_sink, kv, lo, hi, ranges = cr.q, cr.row_pos, cr.row_sink, cr.kv, cr.lo, cr.hi, cr.ranges
+    rows, P = cr.rows, cr.q.shape[1] // block_q
     finalize = picks is None
 
     def body(q_ref, pos_ref, sink_ref, kv_ref, lo_ref, hi_ref, rng_ref, *out_refs):
@@ -109,8 +77,4 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
     )(q2, row_pos, row_sink, kv, lo, hi, ranges)
     if finalize:
         return outs[0][:, :rows].reshape(B, T, H, d)
-    m, l, acc = (x[:, :rows] for x in outs)
-    parts = [(m.reshape(B, T, 1, H), l.reshape(B, T, 1, H), acc.reshape(B, T, 1, H, d))]
-    parts.append(sparse_pallas.partials(q, picks[0], picks[1], row_format, scale, interpret=interpret))
-    stacked = tuple(jnp.concatenate(x, axis=2) for x in zip(*parts))
-    return combine(stacked, sink.astype(jnp.float32), dt)
+    return merge_picks(*outs, q, sink, picks, row_format, scale, interpret)

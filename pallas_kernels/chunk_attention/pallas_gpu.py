@@ -1,0 +1,225 @@
+"""Chunk attention on Hopper tensor cores through Mosaic GPU (`plgpu.kernel`, wgmma): one block per 64 query rows,
+two compute warpgroups that split the head dimension, one TMA producer warpgroup.
+
+Why the split: V4 heads are 512 wide, and a [64, 512] fp32 output accumulator is 256 registers a thread — more
+than a warpgroup has. So warpgroup w owns dims [w·d/2, (w+1)·d/2) of Q, of every key tile (K = V) and of the
+output: it computes the partial scores Q_w·K_wᵀ [64, block_k], the two partials meet in shared memory (16 KB for
+64 x 64 fp32, one buffer taken in turns) and each warpgroup adds the other's, so both hold the same full scores (a + b = b + a bit for bit)
+and run the same online softmax; then O_w += P·K_w on its half. No tensor-core work is repeated (the template
+kernel in jax.experimental.pallas.ops.gpu.attention_mgpu gives each warpgroup whole rows, which fits ≤ 256-wide
+heads only). The producer walks the program's visible key blocks (the same XLA-computed block ranges as the
+Triton kernel, `rows.chunk_rows`) and keeps `stages` tiles in flight, each with its lo / hi visibility bounds.
+
+Numerics are the Triton kernel's (`common.flash_step`): fp32 scores, p rounded to the compute dtype against the
+running max before P·V, fp32 accumulation. Without picks the kernel divides by the sum plus the sink and writes
+the output; with CSA picks it writes m, l and acc / l rounded to the compute dtype (shared memory has no room for
+a [64, 512] fp32 tile beside the key stages: one extra rounding of 2^-9 relative), which `rows.merge_picks`
+combines with the picks' partials.
+
+In Mosaic GPU interpret mode (CPU tests) P·V is a dot of the loaded values: the interpreter has no `pl.run_state`,
+which the wgmma-into-a-register-accumulator form needs on the GPU; the lowering itself is tested for CUDA.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsjax.kernels.chunk_attention.rows import chunk_rows, merge_picks
+from dsjax.kernels.common import check_offsets, gpu_interpret, pad_axis, wgmma_smem
+
+ROWS = 64              # a warpgroup's wgmma M: one program's query rows
+COMPUTE_WGS = 2        # each owns half of the head dimension
+
+
+def _pv(acc, p, v_ref, interpreting: bool):
+    """acc + p · v (fp32 accumulation) on the tensor cores; a plain dot in the interpreter (no pl.run_state)."""
+    if interpreting:
+        return acc + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_ref)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+def _block_of(steps_s, i, n_segments: int):
+    """Key block of step i: the steps walk segment 0's range [first, first + count), then segment 1's, ...
+    (steps_s = [total, first_0, count_0, first_1, count_1, ...])."""
+    blk, offset = steps_s[1], jnp.int32(0)
+    for s in range(n_segments):
+        first, count = steps_s[1 + 2 * s], steps_s[2 + 2 * s]
+        blk = jnp.where((i >= offset) & (i < offset + count), first + i - offset, blk)
+        offset = offset + count
+    return blk
+
+
+def step_table(ranges):
+    """[B, P, 2·nseg] absolute [first, last) blocks -> [B, P, 4k] int32: total steps, then (first, count) per
+    segment, zero-padded to 16 bytes (a TMA row)."""
+    first, last = ranges[..., 0::2], ranges[..., 1::2]
+    count = last - first
+    table = jnp.concatenate([count.sum(-1, keepdims=True), jnp.stack([first, count], -1).reshape(
+        ranges.shape[:2] + (-1,))], axis=-1)
+    return pad_axis(table.astype(jnp.int32), 2, 4, 0)
+
+
+def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format, block_k: int = 64,
+                    stages: int = 2, interpret=None):
+    B, T, H, d = q.shape
+    dt = q.dtype
+    if d % (COMPUTE_WGS * 64):
+        raise ValueError(f"head_dim {d} must split into {COMPUTE_WGS} halves of a multiple of 64 (128-byte rows)")
+    if block_k % 16:
+        raise ValueError(f"block_k {block_k} must be a multiple of 16 (the wgmma K of P·V)")
+    dh = d // COMPUTE_WGS
+    cr = chunk_rows(q, q_pos, sink, segments, row_format, ROWS, block_k)
+    R = cr.q.shape[1]
+    P = R // ROWS
+    n_seg = len(segments)
+    steps = step_table(cr.ranges)
+    lohi = jnp.stack([cr.lo, cr.hi], axis=1)                                                   # [B, 2, N]
+    finalize = picks is None
+    interp = gpu_interpret(interpret)
+    interpreting = interp not in (None, False)
+    ROW, COL, TILE = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+
+    def body(q_ref, pos_ref, sink_ref, kv_ref, lohi_ref, steps_ref, *rest):
+        outs = rest[:1 if finalize else 3]
+        (q_s, k_s, lohi_s, x_s, pos_s, sink_s, steps_s, ml_s,
+         q_bars, k_bars, lohi_bars, consumed, meet, misc_bars) = rest[len(outs):]
+        b, p, wg = lax.axis_index("b"), lax.axis_index("p"), lax.axis_index("wg")
+        mine = pl.ds(p * ROWS, ROWS)
+
+        def rendezvous():
+            plgpu.barrier_arrive(meet)
+            plgpu.barrier_wait(meet)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.copy_gmem_to_smem(steps_ref.at[b, p], steps_s, misc_bars.at[0])
+            plgpu.copy_gmem_to_smem(pos_ref.at[b, mine], pos_s, misc_bars.at[1])
+            plgpu.copy_gmem_to_smem(sink_ref.at[mine], sink_s, misc_bars.at[2])
+            plgpu.barrier_wait(misc_bars.at[0])
+            n = steps_s[0]
+
+            def issue(i, slot):
+                keys = pl.ds(_block_of(steps_s, i, n_seg) * block_k, block_k)
+                for h in range(COMPUTE_WGS):
+                    plgpu.copy_gmem_to_smem(kv_ref.at[b, keys, pl.ds(h * dh, dh)], k_s.at[slot, h],
+                                            k_bars.at[slot * COMPUTE_WGS + h])
+                plgpu.copy_gmem_to_smem(lohi_ref.at[b, :, keys], lohi_s.at[slot], lohi_bars.at[slot])
+
+            for i in range(stages):
+                pl.when(i < n)(lambda i=i: issue(i, i))
+
+            @pl.loop(0, jnp.maximum(n - stages, 0))
+            def _refill(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(consumed.at[slot])
+                issue(i + stages, slot)
+
+            @pl.loop(jnp.maximum(n - stages, 0), n)
+            def _drain(i):          # observe every phase of the slot barriers (the interpreter checks it)
+                plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.copy_gmem_to_smem(q_ref.at[b, mine, pl.ds(wg * dh, dh)], q_s.at[wg], q_bars.at[wg])
+            for i in range(3):
+                plgpu.barrier_wait(misc_bars.at[i])
+            plgpu.barrier_wait(q_bars.at[wg])
+            n = steps_s[0]
+            pos = plgpu.load(pos_s, layout=ROW)
+            shape = (ROWS, block_k)
+            row_pos = lax.broadcast_in_dim(pos, shape, [0])
+
+            def tile(i, carry):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_bars.at[slot * COMPUTE_WGS + wg])
+                plgpu.barrier_wait(lohi_bars.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_s.at[wg], k_s.at[slot, wg].transpose((1, 0)))
+                    return acc_ref[...]
+                part = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                # One exchange buffer (two do not fit beside the key stages): warpgroup 0 writes its partial,
+                # 1 reads it and writes its own, 0 reads that. Each also loads at the other's turn and drops the
+                # value (a load under a branch would need a second layout): 16 KB of extra SMEM reads a tile.
+                pl.when(wg == 0)(lambda: x_s.__setitem__(Ellipsis, part))
+                rendezvous()
+                first = plgpu.load(x_s, layout=TILE)         # warpgroup 1: the partial of 0
+                pl.when(wg == 1)(lambda: x_s.__setitem__(Ellipsis, part))
+                rendezvous()
+                second = plgpu.load(x_s, layout=TILE)        # warpgroup 0: the partial of 1
+                s = (part + jnp.where(jnp.broadcast_to(wg == 0, shape), second, first)) * scale
+                lo = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 0], layout=COL), shape, [1])
+                hi = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 1], layout=COL), shape, [1])
+                ok = (lo <= row_pos) & (row_pos < hi)
+                s = jnp.where(ok, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp(m - m_safe)
+                pr = jnp.where(ok, jnp.exp(s - lax.broadcast_in_dim(m_safe, shape, [0])), 0.0)
+                l = alpha * l + pr.sum(axis=1)
+                acc = _pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), pr.astype(dt), k_s.at[slot, wg],
+                          interpreting)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return acc, m_new, l
+
+            init = (plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), TILE),
+                    plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW),
+                    plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW))
+            acc, m, l = lax.fori_loop(0, n, tile, init)
+            m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+            if finalize:
+                denom = l + jnp.exp(plgpu.load(sink_s, layout=ROW) - m_safe)
+            else:
+                denom = jnp.where(l > 0, l, 1.0)
+            q_s.at[wg][...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(dt)
+            if not finalize:
+                @pl.when(wg == 0)
+                def _stats():
+                    ml_s.at[0][...] = m
+                    ml_s.at[1][...] = l
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s.at[wg], outs[0].at[b, mine, pl.ds(wg * dh, dh)])
+            if not finalize:
+                @pl.when(wg == 0)
+                def _write_stats():
+                    plgpu.copy_smem_to_gmem(ml_s.at[0], outs[1].at[b, mine])
+                    plgpu.copy_smem_to_gmem(ml_s.at[1], outs[2].at[b, mine])
+            plgpu.wait_smem_to_gmem(0)
+
+    f32 = jnp.float32
+    out_type = [jax.ShapeDtypeStruct((B, R, d), dt)]
+    if not finalize:
+        out_type += [jax.ShapeDtypeStruct((B, R), f32)] * 2
+    check_offsets("chunk_attention_mosaic", cr.q, cr.row_pos, cr.row_sink, cr.kv, lohi, steps)
+    kernel = plgpu.kernel(
+        body, out_type=tuple(out_type), grid=(B, P), grid_names=("b", "p"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        scratch_types=[
+            wgmma_smem((COMPUTE_WGS, ROWS, dh), dt),                      # Q halves, then the output halves
+            wgmma_smem((stages, COMPUTE_WGS, block_k, dh), dt),           # key tiles (K = V), by half
+            plgpu.SMEM((stages, 2, block_k), jnp.int32),                  # their lo / hi
+            plgpu.SMEM((ROWS, block_k), f32),                             # the partial-score exchange
+            plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((ROWS,), f32),     # row positions, row sinks
+            plgpu.SMEM((steps.shape[-1],), jnp.int32), plgpu.SMEM((2, ROWS), f32),   # step table; m, l out
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=stages * COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # a key slot is free again
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),                       # the partial-score rendezvous
+            plgpu.Barrier(num_barriers=3),
+        ],
+        interpret=interp,
+    )
+    outs = kernel(cr.q, cr.row_pos, cr.row_sink, cr.kv, lohi, steps)
+    if finalize:
+        return outs[0][:, :cr.rows].reshape(B, T, H, d)
+    o, m, l = outs
+    return merge_picks(m, l, o.astype(f32) * l[..., None], q, sink, picks, row_format, scale, interpret)

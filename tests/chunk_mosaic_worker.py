@@ -1,0 +1,40 @@
+"""Runs the Mosaic GPU chunk attention kernel in Mosaic GPU interpret mode against the reference; JSON out.
+
+Usage: NPROC=8 python tests/chunk_mosaic_worker.py SEED -> one JSON object on the last line.
+Its own process because the kernel's three warpgroups are three interpreter threads that block in barrier
+callbacks, and XLA:CPU runs callbacks on a pool as large as the machine's cores (NPROC overrides it): on a
+2-core machine two waiting warpgroups would starve the third.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_kernel_chunk_attention import _case, _run  # noqa: E402
+
+# (hca, compact rows, block_k, chunk length): 64-key tiles as the default; 16-key tiles over a 40-token chunk
+# make some programs walk more key blocks than there are stages, so the producer refills freed slots
+CASES = [(True, False, 64, 24), (False, True, 64, 24), (True, True, 16, 40), (False, False, 16, 40)]
+
+
+def main(seed: int) -> list[dict]:
+    out = []
+    for hca, compact, block_k, T in CASES:
+        case = _case(seed + 7, 4, compact, T=T, picks=not hca)
+        t0 = time.perf_counter()
+        got = np.asarray(_run(case, hca, "pallas", backend="mosaic", block_k=block_k), np.float32)
+        want = np.asarray(_run(case, hca, "reference"), np.float32)
+        out.append(dict(case=f"{'hca' if hca else 'csa'}-{'fp8rows' if compact else 'bf16'}-bk{block_k}-T{T}",
+                        max_abs=float(np.abs(got - want).max()), scale=float(np.abs(want).max()),
+                        finite=bool(np.isfinite(got).all()), seconds=time.perf_counter() - t0))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]))))
