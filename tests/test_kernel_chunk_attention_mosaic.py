@@ -60,3 +60,10 @@ def test_lowers_for_h200(picks):
                           rows, S((B, 128 + T), i32), S((B, 128 + T), i32), S((B, N, fmt.row_bytes), jnp.uint8),
                           S((B, N), i32), S((B, N), i32), S((B, T, 512), i32))
     assert "mosaic_gpu" in text
+
+
+def test_interpret_mode_refuses_too_few_threads_instead_of_hanging(monkeypatch):
+    from test_kernel_chunk_attention import _case, _run
+    monkeypatch.setenv("NPROC", "2")
+    with pytest.raises(RuntimeError, match="NPROC=8"):
+        _run(_case(1, 4, False, T=8, B=1), True, "pallas", backend="mosaic")

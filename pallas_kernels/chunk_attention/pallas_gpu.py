@@ -20,6 +20,8 @@ In Mosaic GPU interpret mode (CPU tests) P·V is a dot of the loaded values: the
 which the wgmma-into-a-register-accumulator form needs on the GPU; the lowering itself is tested for CUDA.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -54,6 +56,17 @@ def _block_of(steps_s, i, n_segments: int):
     return blk
 
 
+def _check_interpreter_threads():
+    """Interpret mode runs the three warpgroups as threads that block in barrier callbacks, on XLA:CPU's pool of
+    NPROC (default: the cores) threads: with fewer than three, two waiting warpgroups starve the third and the call
+    never returns. Refuse instead of hanging."""
+    pool = int(os.environ.get("NPROC") or len(os.sched_getaffinity(0)))
+    if pool < COMPUTE_WGS + 1:
+        raise RuntimeError(f"the Mosaic GPU chunk attention kernel in interpret mode needs ≥ {COMPUTE_WGS + 1} XLA:CPU "
+                           f"threads, this process has {pool}: start it with NPROC=8 in the environment (before JAX "
+                           "starts), or use backend=\"triton\" / implementation=\"xla\" off-GPU")
+
+
 def step_table(ranges):
     """[B, P, 2·nseg] absolute [first, last) blocks -> [B, P, 4k] int32: total steps, then (first, count) per
     segment, zero-padded to 16 bytes (a TMA row)."""
@@ -82,6 +95,8 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
     finalize = picks is None
     interp = gpu_interpret(interpret)
     interpreting = interp not in (None, False)
+    if interpreting:
+        _check_interpreter_threads()
     ROW, COL, TILE = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
 
     def body(q_ref, pos_ref, sink_ref, kv_ref, lohi_ref, steps_ref, *rest):
