@@ -51,6 +51,11 @@ def sparse_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, st
                                         row_format=fmt, implementation="pallas")
 
 
+# The prefill kernel behind kernels="pallas": "triton" (timed on the H200, docs/benchmarks.md) or "mosaic" (the
+# wgmma kernel: exact in interpret mode, lowers for the H200, not yet timed there)
+CHUNK_ATTENTION_BACKEND = "triton"
+
+
 def chunk_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, start):
     """As `sparse_attention`, for a prefill chunk: the window and every HCA entry as shared segments (each
     visible to an interval of positions), CSA picks as per-query lists. Returns o [B,T,H,d] before the
@@ -66,4 +71,4 @@ def chunk_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, sta
     elif ratio:
         segments.append(chunk_op.compressed_segment(cast(comp.entries), ratio))
     return chunk_op.chunk_attention(q, q_pos, sink, segments, picks, scale=cfg.head_dim ** -0.5, row_format=fmt,
-                                    implementation="pallas")
+                                    implementation="pallas", backend=CHUNK_ATTENTION_BACKEND)
