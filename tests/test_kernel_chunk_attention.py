@@ -1,7 +1,8 @@
 """dsjax.kernels.chunk_attention: the reference equals the model's per-query key lists (window_keys +
 compressed_visible / picks through sink_attention); xla and the Triton-lowered Pallas kernel (the HLO interpreter
 on CPU: outputs start as NaN, so anything unwritten shows) equal the reference on fresh random inputs; the kernel
-visits only the key blocks its rows can see; it lowers for CUDA at V4 shapes."""
+visits only the key blocks its rows can see; both Pallas kernels lower for CUDA at V4 shapes (the Mosaic GPU
+kernel's interpret-mode tests: test_kernel_chunk_attention_mosaic.py)."""
 
 import types
 
@@ -112,9 +113,11 @@ def test_block_ranges_cover_exactly_the_visible_blocks(test_seed):
     print(f"start {int(start[0])}: blocks per program {sorted(set((kb1 - kb0)[0].tolist()))}")
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
 @pytest.mark.parametrize("picks", [False, True], ids=["window+hca", "window+csa-picks"])
-def test_pallas_lowers_for_h200(picks):
-    """V4 shapes (64 heads x 512, 584-byte FP8 rows, a 1,024-token chunk at 64k context) lower to Triton."""
+def test_pallas_lowers_for_h200(picks, backend):
+    """V4 shapes (64 heads x 512, 584-byte FP8 rows, a 1,024-token chunk at 64k context) lower to Triton, and
+    through Mosaic GPU (wgmma operands, ~220 KB of shared memory, three warpgroups)."""
     from dsjax.kernels.chunk_attention import Segment
     fmt = MainRowFormat()
     B, T, H, N = 1, 1024, 64, 512
@@ -124,10 +127,10 @@ def test_pallas_lowers_for_h200(picks):
     def f(q, q_pos, sink, win, wlo, whi, ent, elo, ehi, idx):
         segs = [Segment(win, wlo, whi)] + ([] if picks else [Segment(ent, elo, ehi)])
         return chunk_attention(q, q_pos, sink, segs, (ent, idx) if picks else None, scale=0.04, row_format=fmt,
-                               implementation="pallas", interpret=False)
+                               implementation="pallas", backend=backend, interpret=False)
 
     rows = S((B, 128 + T, fmt.row_bytes), jnp.uint8)
     text = lower_for_h200(f, S((B, T, H, fmt.dim), jnp.bfloat16), S((B, T), i32), S((H,), jnp.float32),
                           rows, S((B, 128 + T), i32), S((B, 128 + T), i32), S((B, N, fmt.row_bytes), jnp.uint8),
                           S((B, N), i32), S((B, N), i32), S((B, T, 512), i32))
-    assert "xla.gpu.triton" in text
+    assert {"triton": "xla.gpu.triton", "mosaic": "mosaic_gpu"}[backend] in text

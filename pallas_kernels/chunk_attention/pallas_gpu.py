@@ -45,6 +45,12 @@ def _pv(acc, p, v_ref, interpreting: bool):
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
+def _load_if(pred, ref, shape, layout):
+    """ref's fp32 tile where pred holds, else zeros (the same layout either way)."""
+    return lax.cond(pred, lambda: plgpu.load(ref, layout=layout),
+                    lambda: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout))
+
+
 def _block_of(steps_s, i, n_segments: int):
     """Key block of step i: the steps walk segment 0's range [first, first + count), then segment 1's, ...
     (steps_s = [total, first_0, count_0, first_1, count_1, ...])."""
@@ -162,15 +168,14 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                     return acc_ref[...]
                 part = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
                 # One exchange buffer (two do not fit beside the key stages): warpgroup 0 writes its partial,
-                # 1 reads it and writes its own, 0 reads that. Each also loads at the other's turn and drops the
-                # value (a load under a branch would need a second layout): 16 KB of extra SMEM reads a tile.
+                # 1 reads it and writes its own, 0 reads that; each takes zeros at the other's turn.
                 pl.when(wg == 0)(lambda: x_s.__setitem__(Ellipsis, part))
                 rendezvous()
-                first = plgpu.load(x_s, layout=TILE)         # warpgroup 1: the partial of 0
+                other = _load_if(wg == 1, x_s, shape, TILE)      # warpgroup 1: the partial of 0
                 pl.when(wg == 1)(lambda: x_s.__setitem__(Ellipsis, part))
                 rendezvous()
-                second = plgpu.load(x_s, layout=TILE)        # warpgroup 0: the partial of 1
-                s = (part + jnp.where(jnp.broadcast_to(wg == 0, shape), second, first)) * scale
+                other = other + _load_if(wg == 0, x_s, shape, TILE)   # warpgroup 0: the partial of 1 (x + 0 = x)
+                s = (part + other) * scale
                 lo = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 0], layout=COL), shape, [1])
                 hi = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 1], layout=COL), shape, [1])
                 ok = (lo <= row_pos) & (row_pos < hi)
