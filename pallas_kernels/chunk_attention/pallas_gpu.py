@@ -242,4 +242,6 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
     if finalize:
         return outs[0][:, :cr.rows].reshape(B, T, H, d)
     o, m, l = outs
-    return merge_picks(m, l, o.astype(f32) * l[..., None], q, sink, picks, row_format, scale, interpret)
+    # the picks' partials come from the Triton sparse MQA kernel: its interpret flag is a bool
+    triton_interp = None if interpret is None else bool(interpret)
+    return merge_picks(m, l, o.astype(f32) * l[..., None], q, sink, picks, row_format, scale, triton_interp)
