@@ -4,7 +4,7 @@
 MQA makes the rows cheap to share: q [B, T, H, d] is read as [B, T·H, d] rows (token-major), and every row of a
 program scores the same key tile, so a tile of `block_k` keys serves block_q dot products per key on the tensor
 cores. A program walks, per segment, only the key blocks that some of its rows can see (host-free: the ranges are
-searched in XLA from the segments' sorted lo / hi, and passed as loop bounds), masks each tile with
+searched in XLA from the segments' sorted lo / hi by `rows.chunk_rows`, and passed as loop bounds), masks each tile with
 lo <= position < hi, and keeps an online softmax. Without picks it divides by the sum plus the sink and writes
 the output; with CSA picks it writes its partials for the sparse MQA kernel's combine.
 
@@ -13,8 +13,9 @@ in XLA (W + T + N rows a layer: small) and the kernel loads whole [rows, d] bf16
 one dot per tile. (The first version gathered compact rows byte by byte in the kernel, as the sparse MQA kernel
 does for its per-query lists: 3x slower on the H200.)
 
-Triton rather than Mosaic GPU: the online softmax is the sparse MQA kernel's (`dsjax.kernels.common`), and the
-tile masks are iota compares.
+Triton was the first backend because the online softmax is the sparse MQA kernel's (`dsjax.kernels.common`) and
+the tile masks are iota compares; at 512-wide heads it keeps a [block_q, 512] fp32 accumulator in registers, which
+caps block_q at 64 (docs/benchmarks.md). `pallas_gpu.py` is the Mosaic GPU (wgmma) kernel over the same rows.
 """
 
 import jax
