@@ -4,8 +4,8 @@ two compute warpgroups that split the head dimension, one TMA producer warpgroup
 Why the split: V4 heads are 512 wide, and a [64, 512] fp32 output accumulator is 256 registers a thread — more
 than a warpgroup has. So warpgroup w owns dims [w·d/2, (w+1)·d/2) of Q, of every key tile (K = V) and of the
 output: it computes the partial scores Q_w·K_wᵀ [64, block_k], the two partials meet in shared memory (16 KB for
-64 x 64 fp32, one buffer taken in turns) and each warpgroup adds the other's, so both hold the same full scores (a + b = b + a bit for bit)
-and run the same online softmax; then O_w += P·K_w on its half. No tensor-core work is repeated (the template
+64 x 64 fp32, one buffer taken in turns) and each warpgroup adds the other's, so both hold the same full scores
+(a + b = b + a bit for bit) and run the same online softmax; then O_w += P·K_w on its half. No tensor-core work is repeated (the template
 kernel in jax.experimental.pallas.ops.gpu.attention_mgpu gives each warpgroup whole rows, which fits ≤ 256-wide
 heads only). The producer walks the program's visible key blocks (the same XLA-computed block ranges as the
 Triton kernel, `rows.chunk_rows`) and keeps `stages` tiles in flight, each with its lo / hi visibility bounds.
