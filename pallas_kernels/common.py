@@ -476,15 +476,24 @@ def flash_init(rows: int, n_pieces: int, width: int):
             tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(n_pieces)))
 
 
-def flash_step(carry, logits, ok, value_pieces, dtype):
-    """One key block of an online softmax (K = V): logits [rows, bk] fp32, ok broadcastable to it. As the
-    reference, p is rounded to the compute dtype before P·V (relative to the running max)."""
-    m, l, accs = carry
+def online_softmax(m, l, logits, ok):
+    """One key block of an online softmax over fp32 logits [rows, bk] (ok broadcastable to them), from the running
+    max m and sum l [rows]: (new max, the old accumulators' rescale alpha, the block's weights p, new sum). Rows
+    that have seen no key keep max -inf and weight 0. Broadcasts are spelled out: shared by the Triton kernels
+    (`flash_step`) and the Mosaic GPU chunk attention kernel, which has no implicit broadcasting."""
     logits = jnp.where(ok, logits, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m - m_safe)
-    p = jnp.where(ok, jnp.exp(logits - m_safe[:, None]), 0.0)
+    p = jnp.where(ok, jnp.exp(logits - jax.lax.broadcast_in_dim(m_safe, logits.shape, [0])), 0.0)
+    return m_new, alpha, p, alpha * l + jnp.sum(p, axis=1)
+
+
+def flash_step(carry, logits, ok, value_pieces, dtype):
+    """One key block of an online softmax (K = V): logits [rows, bk] fp32, ok broadcastable to it. As the
+    reference, p is rounded to the compute dtype before P·V (relative to the running max)."""
+    m, l, accs = carry
+    m_new, alpha, p, l_new = online_softmax(m, l, logits, ok)
     pd = p.astype(dtype)
     accs = tuple(alpha[:, None] * a + dot_nn(pd, v) for a, v in zip(accs, value_pieces))
-    return m_new, alpha * l + jnp.sum(p, axis=1), accs
+    return m_new, l_new, accs

@@ -10,7 +10,7 @@ kernel in jax.experimental.pallas.ops.gpu.attention_mgpu gives each warpgroup wh
 heads only). The producer walks the program's visible key blocks (the same XLA-computed block ranges as the
 Triton kernel, `rows.chunk_rows`) and keeps `stages` tiles in flight, each with its lo / hi visibility bounds.
 
-Numerics are the Triton kernel's (`common.flash_step`): fp32 scores, p rounded to the compute dtype against the
+Numerics are the Triton kernel's (`common.online_softmax`, as in `flash_step`): fp32 scores, p rounded to the compute dtype against the
 running max before P·V, fp32 accumulation. Without picks the kernel divides by the sum plus the sink and writes
 the output; with CSA picks it writes m, l and acc / l rounded to the compute dtype (shared memory has no room for
 a [64, 512] fp32 tile beside the key stages: one extra rounding of 2^-9 relative), which `rows.merge_picks`
@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsjax.kernels.chunk_attention.rows import chunk_rows, merge_picks
-from dsjax.kernels.common import check_offsets, gpu_interpret, pad_axis, wgmma_smem
+from dsjax.kernels.common import check_offsets, gpu_interpret, online_softmax, pad_axis, wgmma_smem
 
 ROWS = 64              # a warpgroup's wgmma M: one program's query rows
 COMPUTE_WGS = 2        # each owns half of the head dimension
@@ -178,13 +178,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                 s = (part + other) * scale
                 lo = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 0], layout=COL), shape, [1])
                 hi = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 1], layout=COL), shape, [1])
-                ok = (lo <= row_pos) & (row_pos < hi)
-                s = jnp.where(ok, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp(m - m_safe)
-                pr = jnp.where(ok, jnp.exp(s - lax.broadcast_in_dim(m_safe, shape, [0])), 0.0)
-                l = alpha * l + pr.sum(axis=1)
+                m_new, alpha, pr, l = online_softmax(m, l, s, (lo <= row_pos) & (row_pos < hi))
                 acc = _pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), pr.astype(dt), k_s.at[slot, wg],
                           interpreting)
                 plgpu.barrier_arrive(consumed.at[slot])
