@@ -77,6 +77,14 @@ def check_implementation(implementation: str) -> str:
     return implementation
 
 
+def pick_backend(kernel_options: dict, modules: dict):
+    """Pops kernel_options["backend"] (default "triton") and returns its module; a clear error for unknown names."""
+    backend = kernel_options.pop("backend", "triton")
+    if backend not in modules:
+        raise ValueError(f"backend must be one of {tuple(modules)}, got {backend!r}")
+    return modules[backend]
+
+
 def e8m0_to_f32(u8):
     """ue8m0 byte e -> 2^(e-127) in fp32 (byte 0 -> the subnormal 2^-127, as dsjax.quant decodes it)."""
     u = u8.astype(jnp.uint32)

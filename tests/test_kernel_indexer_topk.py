@@ -121,3 +121,9 @@ def test_scoring_lowers_for_h200(compact, backend):
     text = lower_for_h200(lambda q, w, k, nv: module.index_scores(q, w, k, nv, fmt, interpret=False),
                           S((B, Q, nh, dh), jnp.bfloat16), S((B, Q, nh), jnp.bfloat16), keys, S((B, Q), jnp.int32))
     assert marker in text
+
+
+def test_unknown_backend_is_a_clear_error():
+    _, _, q, _, stored, weights, n_visible = _case(0, False)
+    with pytest.raises(ValueError, match="backend must be one of .*'cuda'"):
+        indexer_topk(q, weights, stored, n_visible, 8, row_format=FMT, implementation="pallas", backend="cuda")

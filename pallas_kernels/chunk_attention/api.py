@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dsjax.kernels.common import MainRowFormat, check_implementation
+from dsjax.kernels.common import MainRowFormat, check_implementation, pick_backend
 
 NEVER = jnp.iinfo(jnp.int32).max     # lo = hi = NEVER: a padding row no query sees
 
@@ -83,8 +83,7 @@ def chunk_attention(q, q_pos, sink, segments, picks=None, *, scale: float,
         return reference.chunk_attention(*args, scale=scale, row_format=row_format)
     if impl == "xla":
         return xla.chunk_attention(*args, scale=scale, row_format=row_format)
-    backend = kernel_options.pop("backend", "triton")
-    module = {"triton": pallas_triton, "mosaic": pallas_gpu}[backend]
+    module = pick_backend(kernel_options, {"triton": pallas_triton, "mosaic": pallas_gpu})
     return module.chunk_attention(*args, scale=scale, row_format=row_format, **kernel_options)
 
 

@@ -1,6 +1,6 @@
 """Lightning-indexer scoring + top-k: the op contract and backend selection."""
 
-from dsjax.kernels.common import IndexRowFormat, check_implementation
+from dsjax.kernels.common import IndexRowFormat, check_implementation, pick_backend
 from dsjax.kernels.indexer_topk import pallas_gpu, pallas_triton, reference, xla
 
 
@@ -28,6 +28,5 @@ def indexer_topk(q, weights, keys, n_visible, k: int, *, row_format: IndexRowFor
         return reference.indexer_topk(*args, row_format=row_format)
     if impl == "xla":
         return xla.indexer_topk(*args, row_format=row_format, tile=tile)
-    backend = kernel_options.pop("backend", "triton")
-    module = {"triton": pallas_triton, "mosaic": pallas_gpu}[backend]
+    module = pick_backend(kernel_options, {"triton": pallas_triton, "mosaic": pallas_gpu})
     return module.indexer_topk(*args, row_format=row_format, tile=tile, **kernel_options)
