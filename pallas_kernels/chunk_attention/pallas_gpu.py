@@ -89,8 +89,11 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
     dt = q.dtype
     if d % (COMPUTE_WGS * 64):
         raise ValueError(f"head_dim {d} must split into {COMPUTE_WGS} halves of a multiple of 64 (128-byte rows)")
-    if block_k % 16:
-        raise ValueError(f"block_k {block_k} must be a multiple of 16 (the wgmma K of P·V)")
+    if block_k % 64:
+        # P·V's K is block_k; V's half tiles have 128-byte rows, whose swizzle makes wgmma take K in groups of 64
+        raise ValueError(f"block_k {block_k} must be a multiple of 64 (the wgmma K group of P·V)")
+    if stages < 1:
+        raise ValueError(f"stages {stages} must be ≥ 1")
     dh = d // COMPUTE_WGS
     cr = chunk_rows(q, q_pos, sink, segments, row_format, ROWS, block_k)
     R = cr.q.shape[1]
