@@ -134,3 +134,18 @@ def test_pallas_lowers_for_h200(picks, backend):
                           rows, S((B, 128 + T), i32), S((B, 128 + T), i32), S((B, N, fmt.row_bytes), jnp.uint8),
                           S((B, N), i32), S((B, N), i32), S((B, T, 512), i32))
     assert {"triton": "xla.gpu.triton", "mosaic": "mosaic_gpu"}[backend] in text
+
+
+def test_unknown_backend_is_a_clear_error():
+    case = _case(0, 4, False)
+    with pytest.raises(ValueError, match="backend must be one of .*'cuda'"):
+        _run(case, True, "pallas", backend="cuda")
+
+
+def test_model_backend_auto_is_the_triton_interpreter_off_gpu(monkeypatch):
+    """kernels="pallas" prefill: Mosaic GPU on a GPU, the Triton kernel through the HLO interpreter on CPU (Mosaic
+    GPU's interpreter needs a thread per warpgroup); an explicit choice wins."""
+    from dsjax.layers import sparse_attention
+    assert sparse_attention.chunk_attention_backend() == ("mosaic" if jax.default_backend() == "gpu" else "triton")
+    monkeypatch.setattr(sparse_attention, "CHUNK_ATTENTION_BACKEND", "mosaic")
+    assert sparse_attention.chunk_attention_backend() == "mosaic"

@@ -7,6 +7,7 @@ picks or every completed HCA entry — so the result is `sink_attention`'s up to
 (docs/kernels.md states the tolerance). Used when `dsjax.kernel_choice` picks the Pallas kernel.
 """
 
+import jax
 import jax.numpy as jnp
 
 from dsjax import kv_rows
@@ -51,9 +52,16 @@ def sparse_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, st
                                         row_format=fmt, implementation="pallas")
 
 
-# The prefill kernel behind kernels="pallas": "triton" (timed on the H200, docs/benchmarks.md) or "mosaic" (the
-# wgmma kernel: exact in interpret mode, lowers for the H200, not yet timed there)
-CHUNK_ATTENTION_BACKEND = "triton"
+# The prefill kernel behind kernels="pallas": "mosaic" (the wgmma kernel, 7-30% less device time than the Triton
+# one on the H200 at V4 shapes, docs/benchmarks.md), "triton", or "auto": Mosaic GPU on a GPU, the Triton kernel
+# through the HLO interpreter elsewhere (Mosaic GPU's interpreter runs a thread per warpgroup: tests only)
+CHUNK_ATTENTION_BACKEND = "auto"
+
+
+def chunk_attention_backend() -> str:
+    if CHUNK_ATTENTION_BACKEND != "auto":
+        return CHUNK_ATTENTION_BACKEND
+    return "mosaic" if jax.default_backend() == "gpu" else "triton"
 
 
 def chunk_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, start):
@@ -71,4 +79,4 @@ def chunk_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, sta
     elif ratio:
         segments.append(chunk_op.compressed_segment(cast(comp.entries), ratio))
     return chunk_op.chunk_attention(q, q_pos, sink, segments, picks, scale=cfg.head_dim ** -0.5, row_format=fmt,
-                                    implementation="pallas", backend=CHUNK_ATTENTION_BACKEND)
+                                    implementation="pallas", backend=chunk_attention_backend())
