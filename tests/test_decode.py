@@ -56,6 +56,8 @@ def chunked_then_decoded(cfg, params, ids):
     return np.concatenate(out, axis=1)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU property: XLA:CPU reduces in one order for "
+                    "every shape; on a GPU, XLA picks GEMM algorithms per shape (H200: decode rows within 6.7e-6)")
 def test_chunked_prefill_and_decode_bit_identical_in_fp32(test_seed):
     cfg, params = small_model("transformers", test_seed)
     ids = np.random.default_rng(test_seed).integers(0, VOCAB, (2, sum(CHUNKS) + DECODE)).astype(np.int32)

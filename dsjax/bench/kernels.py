@@ -12,7 +12,8 @@ keys, 262,144 entries (1M context), top-512; MoE — 256 experts 4096 -> 2048, t
 Chunk (prefill) attention — a 1,024-token chunk ending at 8k / 64k / 128k / 1M context, 64 heads x 512, FP8
 rows: the window layer (128 window keys), the HCA layer (+ every completed entry, context/128) and the CSA layer
 (+ 512 picks of context/4); its figure is useful TFLOP/s (4·d FLOPs per head per visible key) against the bf16
-matmul rate of the same run (torch and jnp, 8192³).
+matmul rate of the same run (torch and jnp, 8192³), timed by device time from a profiler trace (its host
+dispatch, ~0.5 ms a call, outlasts the short cases' kernels; the wall time is kept as `wall_us`).
 Bytes are what the op must read at least: the distinct rows / experts selected, the queries, the output.
 """
 
