@@ -52,7 +52,7 @@ def sparse_attention(q, sink, ring, kv_stored, comp, chosen, cfg, ratio: int, st
                                         row_format=fmt, implementation="pallas")
 
 
-# The prefill kernel behind kernels="pallas": "mosaic" (the wgmma kernel, 7-30% less device time than the Triton
+# The prefill kernel behind kernels="pallas": "mosaic" (the wgmma kernel, 7-22% less device time than the Triton
 # one on the H200 at V4 shapes, docs/benchmarks.md), "triton", or "auto": Mosaic GPU on a GPU, the Triton kernel
 # through the HLO interpreter elsewhere (Mosaic GPU's interpreter runs a thread per warpgroup: tests only)
 CHUNK_ATTENTION_BACKEND = "auto"
