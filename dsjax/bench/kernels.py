@@ -72,7 +72,7 @@ def device_us(fn, *args, reps: int = 10) -> float:
     """Device time per call: the call's kernel durations summed from a profiler trace. For calls whose host
     dispatch outlasts their kernels (chunk attention: ~0.5 ms a dispatch, 0.15–0.2 ms of kernels for a window
     chunk) the back-to-back timer measures the host; this measures the GPU."""
-    from dsjax.bench.moe_profile import kernel_times
+    from dsjax.bench.profile import kernel_times
     times, _ = kernel_times(fn, args, reps)
     return sum(times.values())
 

@@ -16,31 +16,11 @@ import functools
 import json
 import os
 import sys
-import tempfile
-
-
-def kernel_times(fn, args, reps: int, dump: str | None = None) -> tuple[dict[str, float], dict[str, str]]:
-    """µs per call of each kernel (by HLO name) over `reps` traced calls of the jitted fn, and with `dump` (the
-    directory XLA dumped the optimised HLO into) each kernel's dsjax source line (`profile.hlo_sources`)."""
-    import jax
-    from dsjax.bench.profile import hlo_sources, kernel_name, kernel_totals, source_of, trace_events
-
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(reps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        events = trace_events(d)
-    times = {name: us / reps for name, us in kernel_totals(events).most_common()}
-    if not dump:
-        return times, {}
-    sources, modules = hlo_sources(dump), {kernel_name(e): e.get("args", {}).get("hlo_module", "") for e in events}
-    return times, {name: source_of(sources, modules[name], name).get("source", "?") for name in times}
 
 
 def main(argv=None) -> int:
     from dsjax.bench.kernels import moe_option_list
+    from dsjax.bench.profile import kernel_times
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,8", help="token counts (comma-separated)")

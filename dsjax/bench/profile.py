@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
@@ -120,6 +121,25 @@ def kernel_totals(events: list[dict]) -> collections.Counter:
 def source_of(sources: dict, module: str, name: str) -> dict:
     """`hlo_sources`' entry for kernel `name` of HLO module `module` ({} when the dump does not name it)."""
     return sources.get((module, name)) or sources.get((module, name.split(".")[0])) or {}
+
+
+def kernel_times(fn, args, reps: int, dump: str | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """µs per call of each kernel (by HLO name) over `reps` traced calls of the jitted fn, and with `dump` (the
+    directory XLA dumped the optimised HLO into) each kernel's dsjax source line (`hlo_sources`)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        events = trace_events(d)
+    times = {name: us / reps for name, us in kernel_totals(events).most_common()}
+    if not dump:
+        return times, {}
+    sources, modules = hlo_sources(dump), {kernel_name(e): e.get("args", {}).get("hlo_module", "") for e in events}
+    return times, {name: source_of(sources, modules[name], name).get("source", "?") for name in times}
 
 
 def attribute(events: list[dict], sources: dict[str, dict], steps: int) -> dict:
