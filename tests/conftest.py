@@ -2,20 +2,14 @@
 
 The persistent compilation cache stays off inside the test process (dsjax.load would turn it on): tests measure
 cold compiles, and a cache write must never be part of what a test exercises. tests/test_startup.py checks the
-cache itself, in subprocesses. XLA's CPU backend optimisation level is 0 in every test process (compile_flags.py
-says why).
+cache itself, in subprocesses.
 """
 
 import os
 import secrets
 
-from compile_flags import TEST_XLA_FLAGS
-
-if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):   # read when the first backend starts, after this import
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_enable_compilation_cache", False)
 

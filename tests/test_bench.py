@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-from compile_flags import worker_env
 
 from dsjax.bench import ablate, roofline
 from dsjax.bench.slices import parse_slice, slice_config
@@ -151,7 +150,7 @@ f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P()))
 ops = collective_ops(f.lower(x, w).compile().as_text())
 print(json.dumps(time_all_reduces(ops, mesh, n_short=2, n_long=12)))
 """
-    env = worker_env("--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

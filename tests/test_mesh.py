@@ -19,7 +19,6 @@ import subprocess
 import sys
 
 import pytest
-from compile_flags import worker_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.xdist_group("mesh")  # one worker runs the (session-scoped) 8-device subprocess once
@@ -29,7 +28,8 @@ TIE_MARGIN = 1e-3
 
 @pytest.fixture(scope="session")
 def mesh_results(test_seed):
-    env = worker_env(PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py"), str(test_seed)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -119,7 +119,8 @@ def test_v41_tensor_parallel_logits_match_one_device(test_seed):
     """V4.1 (CSA2, Engram, staggered mHC, vision-free text path) at TP2 on two CPU devices equals one device, in
     fp32 ("transformers" numerics), to the same reassociation tolerance as V4 above; the Engram tables are split by
     rows over the devices and never gathered."""
-    env = worker_env(PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-c", V41_WORKER, str(test_seed)], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,7 +11,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from compile_flags import worker_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,7 +28,8 @@ def test_two_processes_match_single_process(tmp_path, test_seed):
     from dsjax.params import init_params
 
     out, port = str(tmp_path / "logits.npz"), _free_port()
-    env = worker_env(PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), str(port),
                                str(test_seed), out], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
