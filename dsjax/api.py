@@ -14,7 +14,7 @@ import numpy as np
 
 from dsjax import checkpoint, kernel_choice, orbax_io, sharding
 from dsjax.assets import BUNDLED, resolve as resolve_model
-from dsjax.config import KERNELS, NUMERICS, ModelConfig, PRESETS, preset
+from dsjax.config import NUMERICS, ModelConfig, PRESETS, preset, split_kernels
 from dsjax.errors import ConfigError, ContextLimitError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
 from dsjax.model import forward
@@ -152,8 +152,7 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
     enable_compilation_cache(compilation_cache)
     if numerics not in NUMERICS:
         raise ConfigError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
-    if kernels not in KERNELS:
-        raise ConfigError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
+    split_kernels(kernels)
     if mesh is not None and tuple(mesh.axis_names) != sharding.MESH_AXES:
         raise ConfigError(f"mesh axes must be {sharding.MESH_AXES} (use dsjax.make_mesh), got {mesh.axis_names}")
     rules = sharding.rules_for(ep)

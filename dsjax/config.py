@@ -22,6 +22,37 @@ LayerKind = Literal["window", "csa", "hca", "csa2"]
 
 NUMERICS = ("transformers", "reference-bf16", "reference-fp8")
 KERNELS = ("auto", "pallas", "xla", "reference")
+# the ops with a Pallas kernel, which `kernels` can set one by one ("auto+chunk_attention=pallas")
+KERNEL_OPS = ("chunk_attention", "sparse_mqa", "indexer_topk", "moe_gemm", "quant_linear", "mhc_sinkhorn")
+
+
+def split_kernels(spec: str) -> tuple[str, dict[str, str]]:
+    """`kernels` -> (mode, {op: "pallas" | "xla"}): a mode of KERNELS, then optional per-op overrides for
+    ablations, "MODE[+OP=IMPL...]" (e.g. "auto+chunk_attention=pallas+moe_gemm=xla"). An override asks for the
+    op's kernel or XLA whatever the mode picks; a kernel still needs its inputs to fit (bf16, unsharded...)."""
+    mode, *rest = [part.strip() for part in str(spec).split("+")]
+    if mode not in KERNELS:
+        raise ConfigError(f"unknown kernels {mode!r}; choose one of {', '.join(KERNELS)}, optionally followed by "
+                          f"per-op overrides like '+chunk_attention=pallas'")
+    overrides: dict[str, str] = {}
+    for part in rest:
+        op, eq, impl = part.partition("=")
+        if not eq or op not in KERNEL_OPS or impl not in ("pallas", "xla"):
+            raise ConfigError(f"bad kernel override {part!r} in {spec!r}: write OP=pallas or OP=xla, OP one of "
+                              f"{', '.join(KERNEL_OPS)}")
+        overrides[op] = impl
+    return mode, overrides
+
+
+def kernels_arg(spec: str) -> str:
+    """argparse `type` for a --kernels flag: the spec, checked by `split_kernels` (a usage error, not a trace)."""
+    import argparse
+
+    try:
+        split_kernels(spec)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +223,11 @@ class ModelConfig:
                 return name
         return "custom"
 
+    @property
+    def kernel_mode(self) -> str:
+        """`kernels` without its per-op overrides."""
+        return split_kernels(self.kernels)[0]
+
     def with_numerics(self, numerics: str) -> "ModelConfig":
         if numerics not in _NUMERIC_FIELDS:
             raise ConfigError(f"unknown numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
@@ -221,7 +257,7 @@ class ModelConfig:
         need(self.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {self.n_shared_experts}")
         need(self.score_func in ("sqrtsoftplus", "softmax", "sigmoid"), f"unknown score_func {self.score_func!r}")
         need(self.compute_dtype in ("bfloat16", "float32"), f"compute_dtype must be bfloat16 or float32, got {self.compute_dtype!r}")
-        need(self.kernels in KERNELS, f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        split_kernels(self.kernels)   # raises ConfigError naming the mode or the override at fault
         need(self.weight_dtype in ("fp8", "bf16"), f"weight_dtype must be fp8 or bf16, got {self.weight_dtype!r}")
         need(self.expert_dtype in ("fp4", "fp8", "bf16"), f"expert_dtype must be fp4, fp8 or bf16, got {self.expert_dtype!r}")
         need(self.head_vocab_size == 0 or (self.family == "v4" and 2 <= self.head_vocab_size <= self.vocab_size),

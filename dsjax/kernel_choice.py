@@ -1,5 +1,6 @@
-"""Which implementation each op runs: `cfg.kernels` ("auto" | "pallas" | "xla" | "reference") and, for "auto",
-the H200 measurements of `python -m dsjax.bench.kernels` (docs/benchmarks.md, "Kernels").
+"""Which implementation each op runs: `cfg.kernels` ("auto" | "pallas" | "xla" | "reference", optionally with
+per-op overrides: "auto+chunk_attention=pallas") and, for "auto", the H200 measurements of
+`python -m dsjax.bench.kernels` (docs/benchmarks.md, "Kernels").
 
 "auto" picks the Pallas kernel only where it was measured faster than the XLA path on the GPU, and XLA
 everywhere else (CPU, fp32 numerics, batch-invariant mode, tensor-parallel attention). Choices are made at trace
@@ -51,7 +52,10 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
     index (KV caches); one the Triton lowering cannot address (`kernels.common.offsets_fit`) means XLA."""
     from dsjax.kernels.common import offsets_fit
 
-    mode = cfg.kernels
+    from dsjax.config import split_kernels
+
+    mode, overrides = split_kernels(cfg.kernels)
+    mode = {"pallas": "pallas", "xla": "xla"}.get(overrides.get(op), mode)
     addressable = all(offsets_fit(a) for a in operands)
     if mode in ("xla", "reference"):
         impl = "xla" if mode == "xla" or op != "moe_gemm" else "reference"

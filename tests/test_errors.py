@@ -5,6 +5,7 @@ Checkpoint corruptions are made by rewriting a small valid checkpoint's model.sa
 dsjax.safetensors_io.write, changing exactly one tensor. No forward pass runs here: every check happens before.
 """
 
+import argparse
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import pytest
 
 import dsjax
 from dsjax import safetensors_io
-from dsjax.config import config_from_dict, load_config
+from dsjax.config import config_from_dict, kernels_arg, load_config
 from dsjax.params import init_params
 
 SMALL = dsjax.preset("tiny-v4", vocab_size=1024, n_layers=3, compress_ratios=(0, 4, 16, 0), n_hash_layers=1)
@@ -292,6 +293,14 @@ def test_unknown_numerics():
 def test_unknown_kernels():
     with pytest.raises(dsjax.ConfigError, match=r"unknown kernels 'cuda'; choose one of auto, pallas, xla, reference"):
         dsjax.load("tiny-v4", kernels="cuda")
+    for bad, why in [("auto+chunk=pallas", "bad kernel override 'chunk=pallas'"),
+                     ("auto+moe_gemm=triton", "bad kernel override 'moe_gemm=triton'"),
+                     ("auto+moe_gemm", "write OP=pallas or OP=xla, OP one of chunk_attention, ")]:
+        with pytest.raises(dsjax.ConfigError, match=re.escape(why)):
+            dsjax.load("tiny-v4", kernels=bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown kernels 'cuda'"):
+        kernels_arg("cuda")
+    assert kernels_arg("auto+moe_gemm=xla") == "auto+moe_gemm=xla"
 
 
 def test_max_seq_len_past_the_positions_names_the_limit():

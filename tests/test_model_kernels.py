@@ -142,3 +142,18 @@ def _random_v41_state(cfg, key, length: int):
             source = dataclasses.replace(source, entries=entries, index_keys=kv_rows.pack_index(ik.astype(jnp.bfloat16), cfg))
         layers.append(dataclasses.replace(ls, window=window, source=source))
     return dataclasses.replace(st, lengths=jnp.full((2,), length, jnp.int32), layers=tuple(layers))
+
+
+def test_per_op_overrides_take_precedence():
+    """"MODE+OP=IMPL" sets one op for an ablation: on CPU "auto" keeps XLA, an override asks for the kernel; an
+    override to XLA wins over "pallas"; a kernel still needs inputs it is built for (fp32 keeps XLA)."""
+    cfg = dsjax.preset("tiny-v4").with_numerics("reference-bf16")
+    bf16 = dict(rows=1024, chunk=1024, dtype=jnp.bfloat16)
+    assert kernel_choice.choose(cfg.replace(kernels="auto"), "chunk_attention", **bf16) == "xla"
+    assert kernel_choice.choose(cfg.replace(kernels="auto+chunk_attention=pallas"), "chunk_attention", **bf16) == "pallas"
+    both = cfg.replace(kernels="pallas+moe_gemm=xla")
+    assert kernel_choice.choose(both, "moe_gemm", rows=8, dtype=jnp.bfloat16, fmt="fp4") == "xla"
+    assert kernel_choice.choose(both, "sparse_mqa", rows=8, dtype=jnp.bfloat16) == "pallas"
+    assert kernel_choice.choose(cfg.replace(kernels="xla+moe_gemm=pallas"), "moe_gemm", rows=8,
+                                dtype=jnp.float32, fmt="fp4") == "xla"
+    assert both.kernel_mode == "pallas"

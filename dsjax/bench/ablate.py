@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from dsjax.config import kernels_arg
+
 SWEEPS = ("proxy", "kernels", "k", "dispatch", "context", "batch")
 AXIS = {"kernels": "kernels", "k": "k", "dispatch": "steps_per_dispatch", "context": "context", "batch": "batch"}
 
@@ -30,7 +32,8 @@ def add_args(p) -> None:
     p.add_argument("--alpha", type=float, default=0.97,
                    help="simulated per-draft acceptance (default 0.97: acceptance length 5.57 at k=5)")
     p.add_argument("--steps-per-dispatch", type=int, default=32, help="baseline steps per dispatch (default 32)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"], help="baseline kernels")
+    p.add_argument("--kernels", default="auto", type=kernels_arg,
+                   help="baseline kernels: auto | xla | pallas, then optional per-op overrides (auto+moe_gemm=xla)")
     p.add_argument("--steps", type=int, default=64, help="timed steps per point (default 64)")
     p.add_argument("--values", action="append", default=[], metavar="SWEEP=V1,V2",
                    help="override a sweep's values, e.g. context=1024,8192 (repeatable)")

@@ -131,7 +131,7 @@ def routed_experts_kernel(x, weights, ids, w: MoE, cfg: ModelConfig):
 
 def routed_experts(x, weights, ids, w: MoE, cfg: ModelConfig):
     """fp32 [n, D] sum of each token's routed experts; expert-parallel under a mesh (`expert_parallel`)."""
-    experts = routed_experts_dense if cfg.kernels == "reference" else routed_experts_sparse
+    experts = routed_experts_dense if cfg.kernel_mode == "reference" else routed_experts_sparse
     if choose(cfg, "moe_gemm", rows=x.shape[0], dtype=x.dtype, fmt=w.w1.fmt) == "pallas":
         experts = routed_experts_kernel
     if active_mesh() is None:
