@@ -18,19 +18,22 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_kernel_chunk_attention import _case, _run  # noqa: E402
 
-# (hca, compact rows, stages, chunk length): 64-key tiles (wgmma's K group for P·V); one stage over a 100-token
-# chunk makes programs walk more key blocks than there are stages, so the producer refills freed slots
-CASES = [(True, False, 2, 24), (False, True, 2, 24), (True, True, 1, 100), (False, False, 1, 100)]
+# (hca, compact rows, stages, chunk length, exchange buffers): 64-key tiles (wgmma's K group for P·V); one stage
+# over a 100-token chunk makes programs walk more key blocks than there are stages, so the producer refills freed
+# slots; two partial-score buffers fit on the GPU beside one stage only
+CASES = [(True, False, 2, 24, 1), (False, True, 1, 24, 2), (True, True, 1, 100, 2), (False, False, 1, 100, 1)]
 
 
 def main(seed: int) -> list[dict]:
     out = []
-    for hca, compact, stages, T in CASES:
+    for hca, compact, stages, T, buffers in CASES:
         case = _case(seed + 7, 4, compact, T=T, picks=not hca)
         t0 = time.perf_counter()
-        got = np.asarray(_run(case, hca, "pallas", backend="mosaic", stages=stages), np.float32)
+        got = np.asarray(_run(case, hca, "pallas", backend="mosaic", stages=stages, exchange_buffers=buffers),
+                         np.float32)
         want = np.asarray(_run(case, hca, "reference"), np.float32)
-        out.append(dict(case=f"{'hca' if hca else 'csa'}-{'fp8rows' if compact else 'bf16'}-st{stages}-T{T}",
+        name = f"{'hca' if hca else 'csa'}-{'fp8rows' if compact else 'bf16'}-st{stages}-T{T}-x{buffers}"
+        out.append(dict(case=name,
                         max_abs=float(np.abs(got - want).max()), scale=float(np.abs(want).max()),
                         finite=bool(np.isfinite(got).all()), seconds=time.perf_counter() - t0))
     return out

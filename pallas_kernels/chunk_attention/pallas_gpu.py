@@ -1,14 +1,15 @@
 """Chunk attention on Hopper tensor cores through Mosaic GPU (`plgpu.kernel`, wgmma): one block per 64 query rows,
 two compute warpgroups that split the head dimension, one TMA producer warpgroup.
 
-Why the split: V4 heads are 512 wide, and a [64, 512] fp32 output accumulator is 256 registers a thread — more
-than a warpgroup has. So warpgroup w owns dims [w·d/2, (w+1)·d/2) of Q, of every key tile (K = V) and of the
-output: it computes the partial scores Q_w·K_wᵀ [64, block_k], the two partials meet in shared memory (16 KB for
-64 x 64 fp32, one buffer taken in turns) and each warpgroup adds the other's, so both hold the same full scores
-(a + b = b + a bit for bit) and run the same online softmax; then O_w += P·K_w on its half. No tensor-core work is repeated (the template
-kernel in jax.experimental.pallas.ops.gpu.attention_mgpu gives each warpgroup whole rows, which fits ≤ 256-wide
-heads only). The producer walks the program's visible key blocks (the same XLA-computed block ranges as the
-Triton kernel, `rows.chunk_rows`) and keeps `stages` tiles in flight, each with its lo / hi visibility bounds.
+Why the split: V4 heads are 512 wide, and a [64, 512] fp32 output accumulator is 256 registers a thread — more than
+a warpgroup has. So warpgroup w owns dims [w·d/2, (w+1)·d/2) of Q, of every key tile (K = V) and of the output: it
+computes the partial scores Q_w·K_wᵀ [64, block_k], the two partials meet in shared memory (16 KB for 64 x 64 fp32,
+one buffer taken in turns, or one per warpgroup: `exchange_buffers`) and each warpgroup adds the other's, so both
+hold the same full scores (a + b = b + a bit for bit) and run the same online softmax; then O_w += P·K_w on its
+half. No tensor-core work is repeated (the template kernel in jax.experimental.pallas.ops.gpu.attention_mgpu gives
+each warpgroup whole rows, which fits ≤ 256-wide heads only). The producer walks the program's visible key blocks
+(the same XLA-computed block ranges as the Triton kernel, `rows.chunk_rows`) and keeps `stages` tiles in flight,
+each with its lo / hi visibility bounds.
 
 Numerics are the Triton kernel's (`common.online_softmax`, as in `flash_step`): fp32 scores, p rounded to the compute dtype against the
 running max before P·V, fp32 accumulation. Without picks the kernel divides by the sum plus the sink and writes
@@ -84,7 +85,11 @@ def step_table(ranges):
 
 
 def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format, block_k: int = 64,
-                    stages: int = 2, interpret=None):
+                    stages: int = 2, exchange_buffers: int = 1, interpret=None):
+    """`exchange_buffers`: 1 — the two warpgroups take one partial-score buffer in turns (two rendezvous a key
+    tile); 2 — each writes its own buffer, one rendezvous, and a warpgroup waits only before overwriting its buffer
+    until the other has read it (its QK of the next tile usually covers that). Two buffers take 16 KB more shared
+    memory: they fit beside one stage of 64-key tiles only (two stages need 236,672 B, the H200 has 232,448)."""
     B, T, H, d = q.shape
     dt = q.dtype
     if d % (COMPUTE_WGS * 64):
@@ -94,6 +99,9 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
         raise ValueError(f"block_k {block_k} must be a multiple of 64 (the wgmma K group of P·V)")
     if stages < 1:
         raise ValueError(f"stages {stages} must be ≥ 1")
+    if exchange_buffers not in (1, 2):
+        raise ValueError(f"exchange_buffers {exchange_buffers} must be 1 or 2")
+    double = exchange_buffers == 2
     dh = d // COMPUTE_WGS
     cr = chunk_rows(q, q_pos, sink, segments, row_format, ROWS, block_k)
     R = cr.q.shape[1]
@@ -111,7 +119,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
     def body(q_ref, pos_ref, sink_ref, kv_ref, lohi_ref, steps_ref, *rest):
         outs = rest[:1 if finalize else 3]
         (q_s, k_s, lohi_s, x_s, pos_s, sink_s, steps_s, ml_s,
-         q_bars, k_bars, lohi_bars, consumed, meet, misc_bars) = rest[len(outs):]
+         q_bars, k_bars, lohi_bars, consumed, meet, misc_bars, read_bars) = rest[len(outs):]
         b, p, wg = lax.axis_index("b"), lax.axis_index("p"), lax.axis_index("wg")
         mine = pl.ds(p * ROWS, ROWS)
 
@@ -170,14 +178,23 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                     plgpu.wgmma(acc_ref, q_s.at[wg], k_s.at[slot, wg].transpose((1, 0)))
                     return acc_ref[...]
                 part = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-                # One exchange buffer (two do not fit beside the key stages): warpgroup 0 writes its partial,
-                # 1 reads it and writes its own, 0 reads that; each takes zeros at the other's turn.
-                pl.when(wg == 0)(lambda: x_s.__setitem__(Ellipsis, part))
-                rendezvous()
-                other = _load_if(wg == 1, x_s, shape, TILE)      # warpgroup 1: the partial of 0
-                pl.when(wg == 1)(lambda: x_s.__setitem__(Ellipsis, part))
-                rendezvous()
-                other = other + _load_if(wg == 0, x_s, shape, TILE)   # warpgroup 0: the partial of 1 (x + 0 = x)
+                if double:
+                    # my buffer is free once the other warpgroup has read the previous tile's partial from it
+                    pl.when(i > 0)(lambda: plgpu.barrier_wait(read_bars.at[wg]))
+                    x_s.at[wg][...] = part
+                    rendezvous()
+                    other = plgpu.load(x_s.at[1 - wg], layout=TILE)
+                    plgpu.barrier_arrive(read_bars.at[1 - wg])
+                else:
+                    # One exchange buffer: warpgroup 0 writes its partial, 1 reads it and writes its own, 0 reads
+                    # that; each takes zeros at the other's turn.
+                    x0 = x_s.at[0]
+                    pl.when(wg == 0)(lambda: x0.__setitem__(Ellipsis, part))
+                    rendezvous()
+                    other = _load_if(wg == 1, x0, shape, TILE)      # warpgroup 1: the partial of 0
+                    pl.when(wg == 1)(lambda: x0.__setitem__(Ellipsis, part))
+                    rendezvous()
+                    other = other + _load_if(wg == 0, x0, shape, TILE)   # warpgroup 0: the partial of 1 (x + 0 = x)
                 s = (part + other) * scale
                 lo = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 0], layout=COL), shape, [1])
                 hi = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 1], layout=COL), shape, [1])
@@ -191,6 +208,8 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                     plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW),
                     plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW))
             acc, m, l = lax.fori_loop(0, n, tile, init)
+            if double:      # observe the last tile's read (every barrier phase is waited on)
+                pl.when(n > 0)(lambda: plgpu.barrier_wait(read_bars.at[wg]))
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
             if finalize:
                 denom = l + jnp.exp(plgpu.load(sink_s, layout=ROW) - m_safe)
@@ -223,7 +242,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             wgmma_smem((COMPUTE_WGS, ROWS, dh), dt),                      # Q halves, then the output halves
             wgmma_smem((stages, COMPUTE_WGS, block_k, dh), dt),           # key tiles (K = V), by half
             plgpu.SMEM((stages, 2, block_k), jnp.int32),                  # their lo / hi
-            plgpu.SMEM((ROWS, block_k), f32),                             # the partial-score exchange
+            plgpu.SMEM((exchange_buffers, ROWS, block_k), f32),           # the partial-score exchange
             plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((ROWS,), f32),     # row positions, row sinks
             plgpu.SMEM((steps.shape[-1],), jnp.int32), plgpu.SMEM((2, ROWS), f32),   # step table; m, l out
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
@@ -232,6 +251,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # a key slot is free again
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),                       # the partial-score rendezvous
             plgpu.Barrier(num_barriers=3),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),                       # the other has read my partial
         ],
         interpret=interp,
     )
