@@ -1,4 +1,5 @@
-"""Runs the Mosaic GPU chunk attention kernel in Mosaic GPU interpret mode against the reference; JSON out.
+"""Runs the Mosaic GPU chunk attention kernel in Mosaic GPU interpret mode (race detector on, uninitialised
+shared memory NaN) against the reference; JSON out.
 
 Usage: NPROC=8 python tests/chunk_mosaic_worker.py SEED -> one JSON object on the last line.
 Its own process because the kernel's three warpgroups are three interpreter threads that block in barrier
@@ -16,6 +17,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interpret_races import INTERPRET, races_found  # noqa: E402
 from test_kernel_chunk_attention import _case, _run  # noqa: E402
 
 # (hca, compact rows, stages, chunk length, exchange buffers): 64-key tiles (wgmma's K group for P·V); one stage
@@ -29,13 +31,14 @@ def main(seed: int) -> list[dict]:
     for hca, compact, stages, T, buffers in CASES:
         case = _case(seed + 7, 4, compact, T=T, picks=not hca)
         t0 = time.perf_counter()
-        got = np.asarray(_run(case, hca, "pallas", backend="mosaic", stages=stages, exchange_buffers=buffers),
-                         np.float32)
+        got = np.asarray(_run(case, hca, "pallas", backend="mosaic", stages=stages, exchange_buffers=buffers,
+                              interpret=INTERPRET), np.float32)
+        races = races_found()
         want = np.asarray(_run(case, hca, "reference"), np.float32)
         name = f"{'hca' if hca else 'csa'}-{'fp8rows' if compact else 'bf16'}-st{stages}-T{T}-x{buffers}"
         out.append(dict(case=name,
                         max_abs=float(np.abs(got - want).max()), scale=float(np.abs(want).max()),
-                        finite=bool(np.isfinite(got).all()), seconds=time.perf_counter() - t0))
+                        finite=bool(np.isfinite(got).all()), races=races, seconds=time.perf_counter() - t0))
     return out
 
 

@@ -1,12 +1,17 @@
 """The Mosaic GPU interpreter's race detector, asked after a kernel ran in interpret mode (CPU tests)."""
 
 
-def assert_no_races():
-    try:   # private API (jax 0.11.2): the race detector's verdict on the last interpreted kernel
+def races_found() -> bool:
+    """The race detector's verdict on the last interpreted kernel (private API, jax 0.11.2; False without it)."""
+    try:
         from jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks import get_races
     except ImportError:
-        return
-    assert not get_races().races_found, "the interpreter's race detector reported a shared-memory race"
+        return False
+    return bool(get_races().races_found)
+
+
+def assert_no_races():
+    assert not races_found(), "the interpreter's race detector reported a shared-memory race"
 
 
 def mosaic_interpret():

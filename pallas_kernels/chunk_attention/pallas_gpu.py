@@ -201,6 +201,9 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                 m_new, alpha, pr, l = online_softmax(m, l, s, (lo <= row_pos) & (row_pos < hi))
                 acc = _pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), pr.astype(dt), k_s.at[slot, wg],
                           interpreting)
+                # the slot's lo / hi were read by generic loads and the producer's TMA (the async proxy) will
+                # overwrite them: a proxy fence first (the interpreter's race detector flagged the refill without it)
+                plgpu.commit_smem()
                 plgpu.barrier_arrive(consumed.at[slot])
                 return acc, m_new, l
 
