@@ -15,6 +15,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from dsjax.config import split_kernels
+
 log = logging.getLogger("dsjax.kernels")
 _CHOSEN: dict[tuple, str] = {}
 
@@ -52,10 +54,8 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
     index (KV caches); one the Triton lowering cannot address (`kernels.common.offsets_fit`) means XLA."""
     from dsjax.kernels.common import offsets_fit
 
-    from dsjax.config import split_kernels
-
     mode, overrides = split_kernels(cfg.kernels)
-    mode = {"pallas": "pallas", "xla": "xla"}.get(overrides.get(op), mode)
+    mode = overrides.get(op, mode)                  # an override: "pallas" or "xla" for this op alone
     addressable = all(offsets_fit(a) for a in operands)
     if mode in ("xla", "reference"):
         impl = "xla" if mode == "xla" or op != "moe_gemm" else "reference"
