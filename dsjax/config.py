@@ -44,6 +44,9 @@ def split_kernels(spec: str) -> tuple[str, dict[str, str]]:
     return mode, overrides
 
 
+KERNELS_HELP = "op implementations: auto | xla | pallas, then optional per-op overrides (auto+chunk_attention=pallas)"
+
+
 def kernels_arg(spec: str) -> str:
     """argparse `type` for a --kernels flag: the spec, checked by `split_kernels` (a usage error, not a trace)."""
     import argparse

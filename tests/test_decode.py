@@ -92,6 +92,7 @@ def test_chunked_prefill_and_decode_reference_presets(numerics, test_seed):
         assert clear.sum() >= 10, f"only {clear.sum()} positions with a clear top-1; the check below would be empty"
     assert flipped[0].size <= max(1, clear.sum() // 10), f"argmax flipped at clear positions {list(zip(*flipped))}"
 
+
 @functools.lru_cache(maxsize=None)
 def loop_model():
     return dsjax.load("tiny-v4", numerics="transformers", max_seq_len=128, max_batch=4, seed=3)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from dsjax.config import kernels_arg
+from dsjax.config import KERNELS_HELP, kernels_arg
 from dsjax.errors import ConfigError
 
 ONE_M = 1 << 20
@@ -33,9 +33,7 @@ def add_args(p) -> None:
     p.add_argument("--model", default="slice:v4-flash:4", help="slice:v4-flash[:LAYERS[:EXPERTS]] (default :4)")
     p.add_argument("--lengths", default="8192,16384,32768,65536,131072", help="prompt lengths (comma-separated)")
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens per forward, default 1024)")
-    p.add_argument("--kernels", default="auto", type=kernels_arg,
-                   help="op implementations: auto | xla | pallas, then optional per-op overrides "
-                        "(auto+chunk_attention=pallas)")
+    p.add_argument("--kernels", default="auto", type=kernels_arg, help=KERNELS_HELP)
     p.add_argument("--proxy-layers", type=int, default=2,
                    help="also time the slice without its last N layers, to extrapolate the full model (0 = skip; "
                         "V4.1: N must drop exactly the decoder layers, 3 for a full 8-layer slice)")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from dsjax.config import kernels_arg
+from dsjax.config import KERNELS_HELP, kernels_arg
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
 _META = re.compile(r'(\w+)="?([^"\s]*)"?')
@@ -219,9 +219,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="slice:v4-flash:2", help="slice:v4-flash[:LAYERS[:EXPERTS]]")
-    p.add_argument("--kernels", default="auto", type=kernels_arg,
-                   help="op implementations: auto | xla | pallas, then optional per-op overrides "
-                        "(auto+chunk_attention=pallas)")
+    p.add_argument("--kernels", default="auto", type=kernels_arg, help=KERNELS_HELP)
     p.add_argument("--context", type=int, default=4096, help="context of the decode / verify steps")
     p.add_argument("--k", type=int, default=5, help="draft length of the verify step (0: skip it)")
     p.add_argument("--steps", type=int, default=16, help="loop steps traced per dispatch")

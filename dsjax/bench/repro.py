@@ -15,7 +15,7 @@ import hashlib
 import statistics
 import sys
 
-from dsjax.config import kernels_arg
+from dsjax.config import KERNELS_HELP, kernels_arg
 
 PROMPT = "implement the tetris game. output HTML code directly - no explanation."
 RIVAL = {"engine": "rival Rust+CUDA engine (V4.1-Flash, 8xB300)", "ms_per_step": 2.71, "tokens_per_s": 2060,
@@ -37,9 +37,7 @@ def add_args(p) -> None:
     p.add_argument("--ignore-eos", action=__import__("argparse").BooleanOptionalAction, default=None,
                    help="generate all --max-new-tokens (default: on for slices)")
     p.add_argument("--steps-per-dispatch", type=int, default=32, help="loop steps per device dispatch (default 32)")
-    p.add_argument("--kernels", default="auto", type=kernels_arg,
-                   help="op implementations: auto | xla | pallas, then optional per-op overrides "
-                        "(auto+chunk_attention=pallas)")
+    p.add_argument("--kernels", default="auto", type=kernels_arg, help=KERNELS_HELP)
     p.add_argument("--extrapolate-from", type=int, default=4,
                    help="slices only: also time the slice's first N layers; the per-layer difference extrapolates "
                         "the full model's step (default 4; 0 = skip; V4.1 slices always use 3, their encoder "

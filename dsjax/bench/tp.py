@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from dsjax.config import kernels_arg
+from dsjax.config import KERNELS_HELP, kernels_arg
 
 
 def add_args(p) -> None:
@@ -41,9 +41,7 @@ def add_args(p) -> None:
     p.add_argument("--prefill", type=int, default=4096, help="prefill chunk, batch 1 (default 4096; 0 = skip)")
     p.add_argument("--steps", type=int, default=64, help="timed loop steps (default 64)")
     p.add_argument("--steps-per-dispatch", type=int, default=32, help="loop steps per dispatch (default 32)")
-    p.add_argument("--kernels", default="auto", type=kernels_arg,
-                   help="op implementations: auto | xla | pallas, then optional per-op overrides "
-                        "(auto+chunk_attention=pallas)")
+    p.add_argument("--kernels", default="auto", type=kernels_arg, help=KERNELS_HELP)
     p.add_argument("--no-collectives", action="store_true", help="skip the all-reduce accounting (one compile less)")
     p.add_argument("--no-decode", action="store_true",
                    help="skip the plain decode loop (one compile less: a full-depth verify fits one call)")
