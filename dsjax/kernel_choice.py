@@ -21,8 +21,11 @@ log = logging.getLogger("dsjax.kernels")
 _CHOSEN: dict[tuple, str] = {}
 
 
-def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int) -> bool:
-    """H200, jax 0.11.2, 2026-11-30 / 12-01 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
+def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int, entries: int) -> bool:
+    """H200, jax 0.11.2, 2026-11-30 / 12-02 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
+    if op == "chunk_attention":  # the Mosaic kernel (12-02): window 2.1x, CSA 1.6x at 8k-1M, HCA 1.86x at 8k, 1.13x
+        # at 128k (1,024 entries) but 0.79x at 1M (8,192); the V4-Flash slice prefill 2-2.5% faster at 16k / 64k
+        return entries <= 1024
     if op == "sparse_mqa":      # V4 rows: 1.37-1.46x at 32 slots x 6 queries, 0.7-0.95x at 1 slot; V4.1's FP8
         # window + FP4 rows: 1.10-1.12x at 32 slots, 0.48-0.73x at 1. Prefill shapes were not timed alone, and a
         # 1,024-token slice prefill ran slower with kernels
@@ -48,10 +51,11 @@ def _covers(op: str, rows: int, chunk: int) -> bool:
 
 
 def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: bool = False, chunk: int = 1,
-           operands=()) -> str:
+           operands=(), entries: int = 0) -> str:
     """The implementation of `op` for a call with `rows` query rows / tokens in compute `dtype`, `chunk` tokens
     per sequence (1 decode, k+1 verify, more for prefill chunks). `operands`: the large arrays the kernel would
-    index (KV caches); one the Triton lowering cannot address (`kernels.common.offsets_fit`) means XLA."""
+    index (KV caches); one the Triton lowering cannot address (`kernels.common.offsets_fit`) means XLA.
+    `entries`: compressed entries every query of a chunk may see (an HCA layer's cache; 0 elsewhere)."""
     from dsjax.kernels.common import offsets_fit
 
     mode, overrides = split_kernels(cfg.kernels)
@@ -66,8 +70,8 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
         if mode == "pallas":
             impl = "pallas" if usable else "xla"
         else:
-            impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt, chunk) else "xla"
-    key = (op, mode, rows, chunk, str(jnp.dtype(dtype)), fmt, sharded, addressable)
+            impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt, chunk, entries) else "xla"
+    key = (op, mode, rows, chunk, str(jnp.dtype(dtype)), fmt, sharded, addressable, entries)
     if key not in _CHOSEN:
         _CHOSEN[key] = impl
         log.info("%s: %s -> %s", op, _describe(key), impl)
@@ -75,8 +79,9 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
 
 
 def _describe(key) -> str:
-    op, mode, rows, chunk, dtype, fmt, sharded, addressable = key
+    op, mode, rows, chunk, dtype, fmt, sharded, addressable, entries = key
     return (f"kernels={mode} rows={rows} chunk={chunk} dtype={dtype} fmt={fmt}{' sharded' if sharded else ''}"
+            f"{f' entries={entries}' if entries else ''}"
             f"{'' if addressable else ' (an operand past the int32 offsets of the Triton lowering)'}")
 
 

@@ -157,3 +157,10 @@ def test_per_op_overrides_take_precedence():
     assert kernel_choice.choose(cfg.replace(kernels="xla+moe_gemm=pallas"), "moe_gemm", rows=8,
                                 dtype=jnp.float32, fmt="fp4") == "xla"
     assert both.kernel_mode == "pallas"
+
+
+def test_auto_prefill_attention_rule():
+    """On the H200 "auto" takes the chunk kernel where it was measured faster (window, CSA, HCA up to 1,024
+    shared entries) and keeps XLA for HCA over a 1M cache (8,192 entries: the kernel 0.79x)."""
+    faster = lambda entries: kernel_choice._measured_faster("chunk_attention", 2048, None, 1024, entries)  # noqa: E731
+    assert faster(0) and faster(1024) and not faster(8192)

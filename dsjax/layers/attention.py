@@ -172,7 +172,9 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     sharded = active_mesh() is not None
     op = "chunk_attention" if T > 16 else "sparse_mqa"          # prefill chunks vs decode / verify blocks
     caches = (new.compressor.entries, new.index.entries if w.indexer is not None else st.window) if ratio else ()
-    if choose(cfg, op, rows=B * T, chunk=T, dtype=q.dtype, sharded=sharded, operands=caches) == "pallas":
+    shared = new.compressor.entries.shape[1] if ratio and w.indexer is None else 0     # HCA: all entries seen
+    if choose(cfg, op, rows=B * T, chunk=T, dtype=q.dtype, sharded=sharded, operands=caches,
+              entries=shared) == "pallas":
         from dsjax.layers import sparse_attention as kernel_path
         visible = compressed_visible(q_pos, new.compressor.entries.shape[1], ratio) if ratio else None
         chosen = None
