@@ -85,6 +85,25 @@ def test_vs_reference(test_seed, impl, fmt, n):
 
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_one_token_pairs_in_place(test_seed, fmt):
+    """One token's pairs are tiles in place (`single_token_tiles`, no sort): a repeated expert (merged onto its
+    first pick) and a pick held by another shard (weight 0, in the middle of the ascending list) still give the
+    reference's output, and the same tiles (by expert) as the general tile map."""
+    from dsjax.kernels.moe_gemm import pallas_triton
+    x, weights, ids, w1, w3, w2 = _case(test_seed, fmt, 1)
+    ids = jnp.array([[5, 2, 5]], jnp.int32)                # sorted within the token: 2, 5, 5 (the repeat merged)
+    weights = weights.at[0, 1].set(0.0)                    # expert 2 is not local
+    case = (x, weights, ids, w1, w3, w2)
+    _check(_run(case, "pallas", fmt != "bf16"), _run(case, "reference", fmt != "bf16"))
+    key = jnp.array([E, 5, E], jnp.int32)                  # 2 dropped, 5 kept, its repeat merged
+    _, tiles = pallas_triton.single_token_tiles(key, E)
+    _, general = pallas_triton.tile_map(key, E, 1)
+    experts = lambda t: [int(e) for e in np.asarray(t)[:, 0] if e >= 0]  # noqa: E731
+    assert experts(tiles) == experts(general) == [5]
+    assert np.asarray(tiles).tolist() == [[-1, 0, 1], [5, 1, 2], [-1, 2, 3]]
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_fp8_32x32_blocks(test_seed, impl):
     case = _case(test_seed, "fp8b32", 8)

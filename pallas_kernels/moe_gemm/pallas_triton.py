@@ -51,6 +51,15 @@ def tile_map(key, n_experts: int, block_m: int):
     return order, tiles.astype(jnp.int32)
 
 
+def single_token_tiles(key, n_experts: int):
+    """One token (decode at batch 1): its pairs are already in ascending expert order (sorted within the token)
+    with repeats merged onto one pair, so each pair is a tile in place — the same tiles `tile_map` makes with
+    one-pair tiles, without its sort, counts, cumsum and search (~10 small XLA kernels of a decode step's glue).
+    Returns (order = identity, tiles [P, 3])."""
+    p = jnp.arange(key.shape[0], dtype=jnp.int32)
+    return p, jnp.stack([jnp.where(key < n_experts, key, -1), p, p + 1], axis=1).astype(jnp.int32)
+
+
 def k_chunk(fmt: str, block: int, block_k: int) -> int:
     return min(block_k, block) if fmt == "fp8" else max(block_k, block) if fmt == "fp4" else block_k
 
@@ -194,20 +203,23 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     ids_s = jnp.take_along_axis(ids, in_row, axis=-1).reshape(-1)
     pw = jnp.take_along_axis(merged_pair_weights(weights, ids), in_row, axis=-1).reshape(-1)
     key = jnp.where(pw != 0, ids_s, E)
-    order, tiles = tile_map(key, E, block_m)
+    one_token = n == 1                              # pairs in place: no permutation to make or undo
+    order, tiles = single_token_tiles(key, E) if one_token else tile_map(key, E, block_m)
     P = n * k
-    tok = jnp.pad((order // k).astype(jnp.int32), (0, block_m))   # padded: a tile's rows never run past the buffers
+    tok = jnp.zeros((P + block_m,), jnp.int32) if one_token else jnp.pad((order // k).astype(jnp.int32), (0, block_m))
     xq = quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x
 
     g, u = grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, k_chunk(w1.fmt, w1.block, block_k),
                            **common)
     g, u = (round_bf(sum_in_order(a, axis=0), dt) for a in (g, u))
-    h = (_moe.swiglu(g, u, swiglu_limit) * jnp.pad(pw[order], (0, block_m))[:, None]).astype(dt)
+    h = (_moe.swiglu(g, u, swiglu_limit) * jnp.pad(pw if one_token else pw[order], (0, block_m))[:, None]).astype(dt)
     if act_quant_sim:
         h = quant.fp8_e4m3_sim(h, act_quant_block)
     (y,) = grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, k_chunk(w2.fmt, w2.block, block_k),
                            **common)
     y_sorted = sum_in_order(y, axis=0).astype(dt)
-    kept = key[order] < E                           # dropped pairs were never written
-    y = jnp.zeros((P, D), dt).at[order].set(jnp.where(kept[:, None], y_sorted[:P], 0))
+    kept = (key if one_token else key[order]) < E   # dropped pairs were never written
+    y = jnp.where(kept[:, None], y_sorted[:P], 0)
+    if not one_token:
+        y = jnp.zeros((P, D), dt).at[order].set(y)
     return sum_in_order(y.reshape(n, k, D).astype(jnp.float32), axis=1)
