@@ -104,6 +104,21 @@ def test_one_token_pairs_in_place(test_seed, fmt):
     assert np.asarray(tiles).tolist() == [[-1, 0, 1], [5, 1, 2], [-1, 2, 3]]
 
 
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_counted_tile_map_is_the_sorted_one(test_seed, block_m):
+    """Decode / verify batches count ([P, P] compares) instead of sorting: the same pair order (a stable sort by
+    expert) and the same tiles (expert, first pair, end of the expert's pairs) as `tile_map`, dropped pairs in none."""
+    from dsjax.kernels.moe_gemm import pallas_triton
+    rng = np.random.default_rng(test_seed)
+    for P in (2, 12, 48, 200):
+        key = jnp.asarray(rng.integers(0, 10, P), jnp.int32)          # 9 experts, key 9 = dropped: many repeats
+        order, tiles = pallas_triton.counted_tile_map(key, 9, block_m)
+        want_order, want_tiles = pallas_triton.tile_map(key, 9, block_m)
+        np.testing.assert_array_equal(np.asarray(order), np.asarray(want_order))
+        used = lambda t: sorted(map(tuple, np.asarray(t)[np.asarray(t)[:, 0] >= 0].tolist()))  # noqa: E731
+        assert used(tiles) == used(want_tiles), P
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_fp8_32x32_blocks(test_seed, impl):
     case = _case(test_seed, "fp8b32", 8)

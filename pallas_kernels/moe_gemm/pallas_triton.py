@@ -51,6 +51,25 @@ def tile_map(key, n_experts: int, block_m: int):
     return order, tiles.astype(jnp.int32)
 
 
+COUNTED_MAP_PAIRS = 256     # up to this many pairs the tile map counts ([P, P] compares) instead of sorting
+
+
+def counted_tile_map(key, n_experts: int, block_m: int):
+    """`tile_map`'s pairs order and tiles, by counting instead of sorting: a pair's place in the stable sort is
+    the pairs with a smaller key plus the equal ones before it; a tile starts at every `block_m`-th pair of an
+    expert. [P, P] compares in a few fused kernels, where the sort, bincount, cumsum and search are a dozen small
+    ones (decode and verify batches: P = tokens x 6). Tiles are indexed by pair (T = P; unused ones -1)."""
+    P = key.shape[0]
+    p = jnp.arange(P, dtype=jnp.int32)
+    less = (key[None, :] < key[:, None]).sum(axis=1, dtype=jnp.int32)            # first sorted place of p's expert
+    same = key[None, :] == key[:, None]
+    rank = less + (same & (p[None, :] < p[:, None])).sum(axis=1, dtype=jnp.int32)
+    end = less + same.sum(axis=1, dtype=jnp.int32)
+    order = (jnp.where(rank[None, :] == p[:, None], p[None, :], 0)).sum(axis=1, dtype=jnp.int32)
+    starts = (key < n_experts) & ((rank - less) % block_m == 0)
+    return order, jnp.stack([jnp.where(starts, key, -1), rank, end], axis=1).astype(jnp.int32)
+
+
 def single_token_tiles(key, n_experts: int):
     """One token (decode at batch 1): its pairs are already in ascending expert order (sorted within the token)
     with repeats merged onto one pair, so each pair is a tile in place — the same tiles `tile_map` makes with
@@ -204,8 +223,11 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     pw = jnp.take_along_axis(merged_pair_weights(weights, ids), in_row, axis=-1).reshape(-1)
     key = jnp.where(pw != 0, ids_s, E)
     one_token = n == 1                              # pairs in place: no permutation to make or undo
-    order, tiles = single_token_tiles(key, E) if one_token else tile_map(key, E, block_m)
     P = n * k
+    if one_token:
+        order, tiles = single_token_tiles(key, E)
+    else:
+        order, tiles = (counted_tile_map if P <= COUNTED_MAP_PAIRS else tile_map)(key, E, block_m)
     tok = jnp.zeros((P + block_m,), jnp.int32) if one_token else jnp.pad((order // k).astype(jnp.int32), (0, block_m))
     xq = quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x
 
