@@ -51,7 +51,7 @@ def tile_map(key, n_experts: int, block_m: int):
     return order, tiles.astype(jnp.int32)
 
 
-COUNTED_MAP_PAIRS = 256     # up to this many pairs the tile map counts ([P, P] compares) instead of sorting
+COUNTED_MAP_PAIRS = 256     # up to this many pairs the tile map counts ([P, P] compares; H200-measured at ≤ 48)
 
 
 def counted_tile_map(key, n_experts: int, block_m: int):
