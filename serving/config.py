@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 
-from dsjax.config import kernels_arg
+from dsjax.config import NUMERICS, kernels_arg
 from dsjax.errors import ConfigError
 
 
@@ -128,7 +128,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=d.model, help="checkpoint directory, bundled checkpoint or preset name (default: dsjax-small, the trained bundled model)")
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    g.add_argument("--numerics", default=d.numerics, choices=["transformers", "reference-bf16", "reference-fp8"])
+    g.add_argument("--numerics", default=d.numerics, choices=NUMERICS)
     g.add_argument("--kernels", default=d.kernels, type=kernels_arg,
                    help="auto | pallas | xla | reference, then optional per-op overrides (auto+moe_gemm=xla)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
