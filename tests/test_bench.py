@@ -350,6 +350,10 @@ def test_kernels_bench_times_extra_moe_configs(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             kernels.main(["--ops", "moe", "--smoke", "--moe-configs", bad])
         assert exc.value.code == 2 and says in capsys.readouterr().err
+    for bad, says in (("x", "comma-separated integers"), ("0,2", "positive")):    # any positive count is timed
+        with pytest.raises(SystemExit) as exc:
+            kernels.main(["--ops", "moe", "--smoke", "--moe-tokens", bad])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_moe_profile_lists_the_calls_kernels(tmp_path, capsys):

@@ -388,8 +388,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
         ks = jax.random.split(jax.random.key(2), 3)
         lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
         sizes = (1, 2, 4, 8, 256, 1024, 2048) if fmt == "fp4" else (1, 8)
-        sizes = (1, 8) if smoke else sizes
-        sizes = [t for t in sizes if not only_tokens or t in only_tokens]
+        sizes = sorted(only_tokens) if only_tokens else (1, 8) if smoke else sizes
         for n in sizes:
             x, w, ids = moe_routing(n, E, D, k)
             args = (x, w, ids, *lins)
@@ -468,6 +467,17 @@ MOE_OPTIONS = tuple(name for name in inspect.signature(moe_gemm_kernel.moe_gemm)
                                     "act_quant_block", "interpret"))
 
 
+def token_counts(text: str) -> set[int]:
+    """--moe-tokens: comma-separated positive token counts (a clear error otherwise)."""
+    try:
+        counts = {int(t) for t in text.split(",") if t.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
+    return counts
+
+
 def moe_option_list(text: str) -> list[dict]:
     """--moe-configs: a JSON list of option objects, each key one of `MOE_OPTIONS` (a clear error otherwise)."""
     try:
@@ -490,7 +500,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
     p.add_argument("--moe-formats", default="fp4,fp8,bf16", help="MoE expert formats to time")
-    p.add_argument("--moe-tokens", default="", help="only these MoE token counts (comma-separated; default all)")
+    p.add_argument("--moe-tokens", default=set(), type=token_counts,
+                   help="MoE token counts to time, comma-separated (default: 1,2,4,8,256,1024,2048 for FP4 experts, "
+                        "1,8 for the others); up to 64 tokens are timed in a device loop, more by dispatches")
     p.add_argument("--moe-configs", default="[]", type=moe_option_list,
                    help='extra MoE kernel options to time beside the defaults, a JSON list of objects, e.g. '
                         '\'[{"block_m": 1, "num_warps": 8}, {"block_k": 256}]\' (keys: moe_gemm\'s Pallas options)')
@@ -523,7 +535,7 @@ def main(argv=None) -> int:
 
     emit(head)
     moe = functools.partial(bench_moe, fmts=tuple(args.moe_formats.split(",")),
-                            only_tokens={int(t) for t in args.moe_tokens.split(",") if t}, extra=args.moe_configs)
+                            only_tokens=args.moe_tokens, extra=args.moe_configs)
     bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc,
              "linear": bench_linear, "head": bench_head}
     for op in args.ops.split(","):
