@@ -388,7 +388,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
         ks = jax.random.split(jax.random.key(2), 3)
         lins = [expert_stack(ks[0], E, I, D, fmt), expert_stack(ks[1], E, I, D, fmt), expert_stack(ks[2], E, D, I, fmt)]
         sizes = (1, 2, 4, 8, 256, 1024, 2048) if fmt == "fp4" else (1, 8)
-        sizes = sorted(only_tokens) if only_tokens else (1, 8) if smoke else sizes
+        sizes = sorted(set(only_tokens)) if only_tokens else (1, 8) if smoke else sizes
         for n in sizes:
             x, w, ids = moe_routing(n, E, D, k)
             args = (x, w, ids, *lins)
@@ -467,13 +467,14 @@ MOE_OPTIONS = tuple(name for name in inspect.signature(moe_gemm_kernel.moe_gemm)
                                     "act_quant_block", "interpret"))
 
 
-def token_counts(text: str) -> set[int]:
-    """--moe-tokens: comma-separated positive token counts (a clear error otherwise)."""
+def token_counts(text: str) -> list[int]:
+    """argparse `type` for a list of MoE token counts (this bench's --moe-tokens, moe_profile's --tokens):
+    comma-separated positive integers in the order given (a clear usage error otherwise)."""
     try:
-        counts = {int(t) for t in text.split(",") if t.strip()}
+        counts = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
-    if any(c < 1 for c in counts):
+    if not counts or any(c < 1 for c in counts):
         raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
     return counts
 
@@ -500,7 +501,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
     p.add_argument("--moe-formats", default="fp4,fp8,bf16", help="MoE expert formats to time")
-    p.add_argument("--moe-tokens", default=set(), type=token_counts,
+    p.add_argument("--moe-tokens", default=[], type=token_counts,
                    help="MoE token counts to time, comma-separated (default: 1,2,4,8,256,1024,2048 for FP4 experts, "
                         "1,8 for the others); up to 64 tokens are timed in a device loop, more by dispatches")
     p.add_argument("--moe-configs", default="[]", type=moe_option_list,

@@ -19,11 +19,11 @@ import sys
 
 
 def main(argv=None) -> int:
-    from dsjax.bench.kernels import moe_option_list
+    from dsjax.bench.kernels import moe_option_list, token_counts
     from dsjax.bench.profile import kernel_times
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="1,8", help="token counts (comma-separated)")
+    p.add_argument("--tokens", default=[1, 8], type=token_counts, help="token counts (comma-separated, default 1,8)")
     p.add_argument("--format", default="fp4", choices=("fp4", "fp8", "bf16"), help="expert weight format")
     p.add_argument("--configs", default="[{}]", type=moe_option_list,
                    help="JSON list of Pallas kernel options (moe_gemm keywords), one profile each")
@@ -35,12 +35,9 @@ def main(argv=None) -> int:
     p.add_argument("--dump", default=None, help="dump XLA's optimised HLO here and name each kernel's dsjax source "
                    "line (a fresh process: the flag must reach XLA before its first compile)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        p.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
-    if any(t < 1 for t in tokens) or args.reps < 1:
-        p.error("--tokens and --reps must be positive")
+    tokens = args.tokens
+    if args.reps < 1:
+        p.error("--reps must be positive")
     # each kernel under its own name: XLA's command buffers would fold the glue into one event
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     if args.dump:

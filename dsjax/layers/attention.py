@@ -172,18 +172,18 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     sharded = active_mesh() is not None
     op = "chunk_attention" if T > 16 else "sparse_mqa"          # prefill chunks vs decode / verify blocks
     caches = (new.compressor.entries, new.index.entries if w.indexer is not None else st.window) if ratio else ()
-    shared = new.compressor.entries.shape[1] if ratio and w.indexer is None else 0     # HCA: all entries seen
+    n_entries = new.compressor.entries.shape[1] if ratio else 0
+    shared = n_entries if w.indexer is None else 0                  # HCA: every query may see all entries
     if choose(cfg, op, rows=B * T, chunk=T, dtype=q.dtype, sharded=sharded, operands=caches,
               entries=shared) == "pallas":
         from dsjax.layers import sparse_attention as kernel_path
-        visible = compressed_visible(q_pos, new.compressor.entries.shape[1], ratio) if ratio else None
+        visible = compressed_visible(q_pos, n_entries, ratio) if ratio else None
         chosen = None
         if ratio and w.indexer is not None:
             chosen = kernel_path.pick_entries(x, iq, w.indexer, cfg, new.index.entries, q_pos, ratio, visible)
         attend = kernel_path.chunk_attention if op == "chunk_attention" else kernel_path.sparse_attention
         o = attend(q, w.attn_sink, st.window, kv_stored, new.compressor, chosen, cfg, ratio, start)
         return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new, (x, kv_stored)
-    n_entries = new.compressor.entries.shape[1] if ratio else 0
     dense = dense_pays(cfg, T, n_entries, ratio)
     keys, valid = (dense_window if dense else window_keys)(st.window, kv_stored, start, cfg.window_size)
     keys = kv_rows.load_main(keys, cfg)
