@@ -119,6 +119,17 @@ def test_counted_tile_map_is_the_sorted_one(test_seed, block_m):
         assert used(tiles) == used(want_tiles), P
 
 
+def test_picks_in_expert_order_is_the_stable_sort(test_seed):
+    """Each token's picks put in ascending expert order by counting: the stable argsort's permutation exactly,
+    repeated experts within a token included (they keep their pick order)."""
+    from dsjax.kernels.moe_gemm import pallas_triton
+    rng = np.random.default_rng(test_seed)
+    for n, k, E in ((1, 6, 256), (7, 6, 4), (33, 8, 3)):            # few experts: many repeats within a token
+        ids = jnp.asarray(rng.integers(0, E, (n, k)), jnp.int32)
+        got = np.asarray(pallas_triton.picks_in_expert_order(ids))
+        np.testing.assert_array_equal(got, np.asarray(jnp.argsort(ids, axis=-1, stable=True)), err_msg=f"{n}x{k}")
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_fp8_32x32_blocks(test_seed, impl):
     case = _case(test_seed, "fp8b32", 8)

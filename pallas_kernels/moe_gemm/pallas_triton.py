@@ -79,6 +79,18 @@ def single_token_tiles(key, n_experts: int):
     return p, jnp.stack([jnp.where(key < n_experts, key, -1), p, p + 1], axis=1).astype(jnp.int32)
 
 
+def picks_in_expert_order(ids):
+    """Each token's picks [n, k] -> the stable ascending-expert order of its k picks (`jnp.argsort(ids, axis=-1,
+    stable=True)`, the reference's summation order) by counting: a pick's place is the picks with a smaller expert
+    plus the equal ones before it — [n, k, k] compares in one fused kernel where XLA's sort is its own (k = 6)."""
+    k = ids.shape[-1]
+    j = jnp.arange(k, dtype=jnp.int32)
+    a, b = ids[..., None, :], ids[..., :, None]                     # [n, i, j]: pick j beside pick i
+    before = (a < b) | ((a == b) & (j[None, :] < j[:, None]))
+    place = before.sum(axis=-1, dtype=jnp.int32)                    # [n, k]: sorted place of pick i
+    return (jnp.where(place[..., None, :] == j[:, None], j[None, :], 0)).sum(axis=-1, dtype=jnp.int32)
+
+
 def k_chunk(fmt: str, block: int, block_k: int) -> int:
     return min(block_k, block) if fmt == "fp8" else max(block_k, block) if fmt == "fp4" else block_k
 
@@ -218,7 +230,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
                   interpret=triton_interpret(interpret), target=target_programs, fp4_asm=fp4_asm)
 
     # Pairs: picks sorted by expert within each token (the reference's summation order), repeats merged.
-    in_row = jnp.argsort(ids, axis=-1, stable=True)
+    in_row = picks_in_expert_order(ids)
     ids_s = jnp.take_along_axis(ids, in_row, axis=-1).reshape(-1)
     pw = jnp.take_along_axis(merged_pair_weights(weights, ids), in_row, axis=-1).reshape(-1)
     key = jnp.where(pw != 0, ids_s, E)
