@@ -434,17 +434,30 @@ def fp4_f32_values(words, scale, asm: bool):
     return out
 
 
+def interleave_nibbles(values):
+    """8 arrays [r, c] (nibble position p of word j = column 8j + p) -> [r, 8c] in column order, by joins (Triton
+    stacks two arrays at a time, along a new last axis) and one reshape: the leaves go in bit-reversed nibble order,
+    so the last join's axes (t, u, w) hold nibble 4t + 2u + w at column 8j + 4t + 2u + w. One [rows, chunk] MMA
+    operand instead of eight 16-column ones — one layout change and one contiguous x load a chunk, not eight
+    strided ones."""
+    leaves = [values[int(f"{i:03b}"[::-1], 2)] for i in range(8)]         # v0 v4 v2 v6 v1 v5 v3 v7
+    while len(leaves) > 1:
+        leaves = [jnp.stack([a, b], axis=-1) for a, b in zip(leaves[0::2], leaves[1::2])]
+    r, c = values[0].shape
+    return leaves[0].reshape(r, 8 * c)
+
+
 def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype, asm: bool = False):
     """Rows `rows` x chunk [k0, k0+bk) of expert e of a stored `Linear` stack as (input columns, values
     [len(rows), len(columns)] in dtype, scale per row fp32 or None) triples: out += (x[:, cols] · valuesᵀ) · scale.
 
     FP8: a chunk lies inside one scale block (bk divides `block`); the ue8m0 scale (a power of two) multiplies
     the product, not the weights: exact, and one multiply per output instead of one per weight. FP4 (w_ref the
-    `fp4_words` view, 8 codes a word, low nibble first): one piece per nibble position p — columns 8j + p of the
-    chunk's words j, never interleaved — with each value times its block's scale (exact: a power of two times an
-    e2m1 value), so a piece may span several scale blocks and keeps a dot's contraction ≥ 16 wide. asm (compiled
-    kernels, bf16): the FP4 values come from `fp4_bf16_asm` (the same numbers in ~4 integer ops per value); asked
-    for fp32 (GEMV tiles' multiply-adds), from `fp4_f32_values` with no bf16 step."""
+    `fp4_words` view, 8 codes a word, low nibble first): each value times its block's scale (exact: a power of
+    two times an e2m1 value). Asked for fp32 (GEMV tiles' multiply-adds): one piece per nibble position p (columns
+    8j + p of the chunk's words j, from `fp4_f32_values`, no bf16 step), each multiplied in place. Asked for bf16
+    (MMA tiles): the eight interleaved back into the chunk's columns (`interleave_nibbles`), one operand. asm
+    (compiled kernels): the values come from the PTX decode (~4 integer ops per value)."""
     r2 = rows[:, None]
     if fmt == "fp4":
         if block % 8 or bk % 8:
@@ -452,10 +465,11 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
         jw = iota(bk // 8) + k0 // 8
         words = gather(w_ref, e, r2, jw[None, :])
         scale = e8m0_to_f32(gather(s_ref, e, r2, (jw * 8 // block)[None, :]))
-        if asm and dtype == jnp.bfloat16:
-            return [(8 * jw + p, v, None) for p, v in enumerate(fp4_bf16_asm(words, scale))]
-        values = fp4_f32_values(words, scale, asm and dtype == jnp.float32)    # fp32: no bf16 step, no converts
-        return [(8 * jw + p, v.astype(dtype), None) for p, v in enumerate(values)]
+        if dtype == jnp.float32:                     # GEMV multiply-adds: per nibble position, no bf16 step
+            return [(8 * jw + p, v, None) for p, v in enumerate(fp4_f32_values(words, scale, asm))]
+        values = fp4_bf16_asm(words, scale) if asm and dtype == jnp.bfloat16 else [
+            v.astype(dtype) for v in fp4_f32_values(words, scale, False)]
+        return [(iota(bk) + k0, interleave_nibbles(values), None)]     # one MMA operand, the chunk's own columns
     cols = iota(bk) + k0
     vals = gather(w_ref, e, r2, cols[None, :]).astype(dtype)
     scale = e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block)) if fmt == "fp8" else None
