@@ -434,38 +434,17 @@ def fp4_f32_values(words, scale, asm: bool):
     return out
 
 
-def join_pieces(pieces):
-    """2^L arrays [r, w] -> one [r, 2^L·w] by pairwise joins (Triton stacks two arrays at a time along a new last
-    axis) and a reshape: column j·2^L + q holds piece bitrev(q)'s column j. A permutation of the contraction, so
-    joining both operands of a dot the same way leaves the product unchanged; `split_joined` undoes it."""
-    if len(pieces) & (len(pieces) - 1):
-        raise ValueError(f"join_pieces: {len(pieces)} pieces is not a power of two")
-    r = pieces[0].shape[0]
-    while len(pieces) > 1:
-        pieces = [jnp.stack([a, b], axis=-1) for a, b in zip(pieces[0::2], pieces[1::2])]
-    return pieces[0].reshape(r, -1)
-
-
-def split_joined(x, n: int):
-    """`join_pieces`' inverse: [r, n·w] -> the n pieces [r, w] in their original order (Triton splits two ways
-    along the last axis)."""
-    levels = n.bit_length() - 1
-    y = x.reshape((x.shape[0], x.shape[1] // n) + (2,) * levels)
-
-    def leaves(a):
-        if a.ndim == 2:
-            return [a]
-        lo, hi = jax.lax.unstack(a, axis=a.ndim - 1)
-        return leaves(lo) + leaves(hi)
-    return leaves(y)
-
-
 def interleave_nibbles(values):
-    """8 arrays [r, c] (nibble position p of word j = column 8j + p) -> [r, 8c] in column order: joined in
-    bit-reversed nibble order (`join_pieces`), so column 8j + q holds nibble q of word j. One [rows, chunk] MMA
+    """8 arrays [r, c] (nibble position p of word j = column 8j + p) -> [r, 8c] in column order, by joins (Triton
+    stacks two arrays at a time, along a new last axis) and one reshape: the leaves go in bit-reversed nibble order,
+    so the last join's axes (t, u, w) hold nibble 4t + 2u + w at column 8j + 4t + 2u + w. One [rows, chunk] MMA
     operand instead of eight 16-column ones — one layout change and one contiguous x load a chunk, not eight
     strided ones."""
-    return join_pieces([values[int(f"{i:03b}"[::-1], 2)] for i in range(8)])     # v0 v4 v2 v6 v1 v5 v3 v7
+    leaves = [values[int(f"{i:03b}"[::-1], 2)] for i in range(8)]         # v0 v4 v2 v6 v1 v5 v3 v7
+    while len(leaves) > 1:
+        leaves = [jnp.stack([a, b], axis=-1) for a, b in zip(leaves[0::2], leaves[1::2])]
+    r, c = values[0].shape
+    return leaves[0].reshape(r, 8 * c)
 
 
 def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype, asm: bool = False):

@@ -91,40 +91,6 @@ def test_matches_reference(test_seed, implementation, H, compact):
     assert not np.any(got[0, 0]), "a query with no valid key must return 0"
 
 
-@pytest.mark.parametrize("n", [2, 8, 16])
-def test_joined_pieces_round_trip(test_seed, n):
-    """The kernels' one-operand view of column pieces: joining q and keys the same way permutes the contraction
-    only (q·kᵀ unchanged), and `split_joined` gives the pieces back in order; the FP4 nibble interleave is the
-    words' own column order."""
-    from dsjax.kernels.common import interleave_nibbles, join_pieces, split_joined
-    rng = np.random.default_rng(test_seed)
-    qs = [jnp.asarray(rng.integers(-8, 8, (4, 16)), jnp.float32) for _ in range(n)]
-    ks = [jnp.asarray(rng.integers(-8, 8, (5, 16)), jnp.float32) for _ in range(n)]
-    qj, kj = join_pieces(qs), join_pieces(ks)
-    np.testing.assert_array_equal(np.asarray(qj @ kj.T), np.asarray(jnp.concatenate(qs, 1) @ jnp.concatenate(ks, 1).T))
-    for got, want in zip(split_joined(qj, n), qs):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    nibbles = [jnp.asarray(rng.integers(0, 99, (3, 4)), jnp.int32) for _ in range(8)]     # nibble p of word j
-    want = np.stack([np.asarray(v) for v in nibbles], axis=-1).reshape(3, 32)             # column 8j + p
-    np.testing.assert_array_equal(np.asarray(interleave_nibbles(nibbles)), want)
-
-
-def test_joined_kernel_equals_pieces(test_seed):
-    """The joined operand (one QK and one PV dot a key tile) against the per-piece dots on the same inputs: only
-    fp32 summation order differs (2 pieces here; V4's 8 lower in test_pallas_lowers_for_h200)."""
-    from dsjax.kernels.sparse_mqa import pallas_triton
-    q, sink, ring, chunk, entries, start, win_idx, comp_idx = _case(test_seed, 8, True)
-    out = {j: pallas_triton.partials(q, entries, comp_idx, FMT, FMT.dim ** -0.5, block_k=16, join=j, interpret=True)
-           for j in (True, False)}
-    (m1, l1, acc1), (m0, l0, acc0) = (map(np.asarray, out[j]) for j in (True, False))
-    # m and l are fp32 sums of 128 products / exps in another order: ~1e-7 relative
-    np.testing.assert_allclose(m1, m0, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(l1, l0, rtol=1e-5)
-    # P·V takes p rounded to bf16: a logit moved by ~1e-7 can round a p to the neighbouring bf16 (2^-8 relative),
-    # so a few flips of ≤ 2^-8·max|v| each: 2^-6 of the largest |acc| covers them
-    np.testing.assert_allclose(acc1, acc0, rtol=0, atol=2.0 ** -6 * float(np.max(np.abs(acc0))))
-
-
 def test_hca_indices_cover_completed_entries():
     idx = hca_indices(jnp.array([[3, 7, 8]]), 4, 4)
     np.testing.assert_array_equal(np.asarray(idx), [[[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, -1, -1]]])

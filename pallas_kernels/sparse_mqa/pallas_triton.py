@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsjax.kernels.common import (check_offsets, dot_tile, flash_init, flash_scores, flash_step, join_pieces,
-                                  main_row_pieces, pad_axis, piece_width, row_width, split_joined, triton_interpret,
-                                  triton_params)
+from dsjax.kernels.common import (check_offsets, dot_tile, flash_init, flash_scores, flash_step, main_row_pieces,
+                                  pad_axis, piece_width, row_width, triton_interpret, triton_params)
 from dsjax.kernels.sparse_mqa.xla import combine
 
 TARGET_PROGRAMS = 4 * 132   # enough programs to fill an H200's 132 SMs a few times over
@@ -34,11 +33,8 @@ def split_shape(n_keys: int, block_k: int, num_splits: int | None, other_program
 
 
 def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: int = 64,
-             num_splits: int | None = None, num_warps: int = 8, num_stages: int = 2, join: bool = True,
-             interpret=None):
-    """Defaults: the fastest of the H200 sweep (docs/benchmarks.md, block_k 32/64 x head_block 32/64 x 4/8 warps).
-    join: q's and each key tile's column pieces joined into one operand (`join_pieces`, when their count is a
-    power of two): one QK and one PV dot a key tile instead of one per piece."""
+             num_splits: int | None = None, num_warps: int = 8, num_stages: int = 2, interpret=None):
+    """Defaults: the fastest of the H200 sweep (docs/benchmarks.md, block_k 32/64 x head_block 32/64 x 4/8 warps)."""
     """q [B,Q,H,d], kv [B,N,R], idx int32 [B,Q,K] -> (m [B,Q,S,H], l [B,Q,S,H], acc [B,Q,S,H,d]) in fp32."""
     B, Q, H, d = q.shape
     assert row_width(kv, fmt) == d, (kv.shape, fmt, d)
@@ -51,26 +47,22 @@ def partials(q, kv, idx, fmt, scale: float, *, block_k: int = 64, head_block: in
     idx2 = pad_axis(idx.reshape(B * Q, -1).astype(jnp.int32), 1, S * per_split, -1)
     dt = q.dtype
 
-    n_pieces = d // width
-    joined = join and n_pieces > 1 and not n_pieces & (n_pieces - 1)
-    gather_pieces = (lambda p: [join_pieces(p)]) if joined else (lambda p: p)
-
     def body(q_ref, kv_ref, idx_ref, m_ref, l_ref, acc_ref):
         r, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         b, heads = r // Q, pl.ds(g * hb, hb)
-        qs = gather_pieces([q_ref[r, heads, pl.ds(c, width)] for c in range(0, d, width)])
+        qs = [q_ref[r, heads, pl.ds(c, width)] for c in range(0, d, width)]
 
         def chunk(c, carry):
             ids = idx_ref[r, pl.ds(s * per_split + c * block_k, block_k)]
             ok = ids >= 0
-            keys = gather_pieces([k for _, k in main_row_pieces(kv_ref, b, jnp.maximum(ids, 0), ok, fmt, width, dt)])
+            keys = [k for _, k in main_row_pieces(kv_ref, b, jnp.maximum(ids, 0), ok, fmt, width, dt)]
             return flash_step(carry, flash_scores(qs, keys, scale), ok[None, :], keys, dt)
 
-        init = flash_init(hb, 1, d) if joined else flash_init(hb, n_pieces, width)
+        init = flash_init(hb, len(qs), width)
         m, l, accs = jax.lax.fori_loop(0, per_split // block_k, chunk, init)
         m_ref[r, s, heads] = m
         l_ref[r, s, heads] = l
-        for c, a in zip(range(0, d, width), split_joined(accs[0], n_pieces) if joined else accs):
+        for c, a in zip(range(0, d, width), accs):
             acc_ref[r, s, heads, pl.ds(c, width)] = a
 
     f32 = jnp.float32
