@@ -147,10 +147,13 @@ def test_sparse_matches_dense_on_random_weights(test_seed, expert_dtype, act_qua
     for name, (weights, ids) in routings(rng, x, tokens, hashed, scored, cfg).items():
         for experts in (scored, hashed):
             dense, sparse = both_paths(x, weights, ids, experts, cfg)
-            # one bf16 ulp moved upstream (or one e4m3 step of an activation with act-fp8) stays below 2^-4 of the
-            # largest output; and most elements are bit-identical
-            assert np.abs(sparse - dense).max() <= np.abs(dense).max() * 2.0**-4, name
-            assert np.mean(sparse != dense) < 0.05, name
+            # Another fp32 summation order can flip one bf16 rounding of g / u / h (or one e4m3 step of h with
+            # act-fp8); that moves the expert's y, rounded to bf16 again, by about an ulp of its row, and the K = 2
+            # experts add up: within 2^-6 of each token's largest |output| (41 seeds x every case: worst 2^-7.6).
+            # Not "mostly bit-identical": one flipped h element moves most of its token's row (a third of the
+            # outputs at n = 3; up to 19.5% differed at those seeds).
+            row_scale = np.abs(dense).max(axis=1, keepdims=True)
+            assert (np.abs(sparse - dense) <= row_scale * 2.0**-6).all(), name
 
 
 def test_sparse_matches_dense_in_fp32(test_seed):
