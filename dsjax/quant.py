@@ -47,7 +47,7 @@ from dsjax.numerics import div_exact as _div_exact, round_to
 
 __all__ = [
     "FP8_MAX", "FP4_MAX", "FP4_CODE_TABLE",
-    "ue8m0_ceil_scale", "e2m1_round", "fp8_e4m3_sim", "fp4_e2m1_sim", "hadamard", "hadamard_matrix",
+    "ue8m0_ceil_scale", "e2m1_round", "fp8_e4m3_sim", "fp8_e4m3_codes", "fp4_e2m1_sim", "hadamard", "hadamard_matrix",
     "e8m0_to_f32", "f32_to_e8m0_exact",
     "quantize_fp8_blocks", "dequantize_fp8_blocks", "dequantize_fp8_blocks_np",
     "quantize_fp4_packed", "dequantize_fp4_packed", "dequantize_fp4_packed_np",
@@ -187,13 +187,40 @@ def fp8_e4m3_sim(x, block: int, *, pow2: bool = True):
     ``scale_fmt="ue8m0"`` path) else ``amax * fp32(1/448)``.  Returns ``x``'s dtype and shape.
     """
     x = jnp.asarray(x)
+    codes, s = _fp8_e4m3_blocks(x, block, pow2)
+    y = e4m3_values(codes) * s
+    return y.reshape(x.shape).astype(x.dtype)
+
+
+def e4m3_values(codes):
+    """float8_e4m3fn codes -> their fp32 values, from the bits by integer ops. Why not ``astype(float32)``: XLA's GPU
+    pipeline removes chains of float conversions (``SimplifyFPConversions`` under ``xla_allow_excess_precision``, on
+    by default), so ``x.astype(e4m3).astype(f32)`` compiles to no rounding at all on the H200; a bitcast breaks the
+    chain. (NaN codes never reach here: the quantizers clip to ±448.)"""
+    b = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.uint32)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)   # bias 7 -> 127
+    magnitude = jnp.where(e == 0, m.astype(jnp.float32) * np.float32(2.0 ** -9), normal)  # subnormals: m x 2^-9
+    return jnp.where(b >= 0x80, -magnitude, magnitude)
+
+
+def _fp8_e4m3_blocks(x, block: int, pow2: bool):
+    """(e4m3 codes [..., n/block, block], fp32 scales [..., n/block, 1]) of ``fp8_e4m3_sim``."""
     xb = _blocks(x, block)
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), _FP8_AMAX_FLOOR)
     q = amax * _FP8_MAX_INV
     s = ue8m0_ceil_scale(q) if pow2 else q
     xs = xb / s if pow2 else _div_exact(xb, s)  # x / 2^k is exact even as XLA's x * 2^-k
-    y = jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) * s
-    return y.reshape(x.shape).astype(x.dtype)
+    return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
+
+
+@partial(jax.jit, static_argnames=("block",))
+def fp8_e4m3_codes(x, block: int):
+    """``fp8_e4m3_sim(x, block)`` as (e4m3 codes [..., n], fp32 power-of-two scales [..., n/block]): codes x scale
+    is the simulated value exactly. Why: FP8 tensor cores take the codes and the scale multiplies the product."""
+    x = jnp.asarray(x)
+    codes, s = _fp8_e4m3_blocks(x, block, True)
+    return codes.reshape(x.shape), s[..., 0]
 
 
 @partial(jax.jit, static_argnames=("block", "scale_format"))
@@ -216,7 +243,7 @@ def fp4_e2m1_sim(x, block: int, *, scale_format: Literal["ue8m0", "e4m3"] = "ue8
         xs = xb / s
     elif scale_format == "e4m3":
         q = jnp.minimum(_div_exact(jnp.maximum(amax, _FP4_E4M3_AMAX_FLOOR), FP4_MAX), np.float32(FP8_MAX))
-        s = q.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        s = e4m3_values(q.astype(jnp.float8_e4m3fn))
         xs = _div_exact(xb, s)
     else:
         raise ValueError(f"scale_format must be 'ue8m0' or 'e4m3', got {scale_format!r}")

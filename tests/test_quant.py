@@ -207,6 +207,22 @@ def test_fp8_sim_random(rng, dtype):
             assert_bits_equal(got, ref_fp8_sim(x, block, pow2))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_fp8_codes_times_scales_are_the_sim(rng, dtype):
+    """`fp8_e4m3_codes` (what FP8 tensor cores take) times its power-of-two scales is `fp8_e4m3_sim`, bit for bit,
+    floors and huge blocks included."""
+    x = random_blocks(rng, (3, 5, 256), 32).astype(dtype)
+    x[0, 0, :32] = 0.0
+    x[0, 2, :32] = (rng.standard_normal(32) * 1e30).astype(dtype)
+    for block in (32, 128):
+        codes, scales = quant.fp8_e4m3_codes(jnp.asarray(x), block)
+        assert codes.dtype == jnp.float8_e4m3fn and scales.shape == x.shape[:-1] + (256 // block,)
+        s = np.log2(np.asarray(scales))
+        assert np.array_equal(s, np.round(s)), "scales are powers of two"
+        back = (np.asarray(codes, np.float32).reshape(3, 5, -1, block) * np.asarray(scales)[..., None])
+        assert_bits_equal(back.reshape(x.shape).astype(dtype), np.asarray(quant.fp8_e4m3_sim(jnp.asarray(x), block)))
+
+
 def test_fp8_sim_ties_and_edges(rng):
     mids = e4m3_midpoints()
     mids = mids[mids < 448]
@@ -462,3 +478,22 @@ def test_fp4_codec_nan_scale():
     assert np.isnan(out[0, 32:]).all() and not np.isnan(out[1]).any()
     with pytest.raises(ValueError, match="expected"):
         quant.dequantize_fp4_packed_np(p, s[:, :1], 32)
+
+
+def test_e4m3_values_decode_every_code():
+    """`quant.e4m3_values` (the FP8 rounding's way back to fp32, by integer ops) equals the e4m3 cast for all 254
+    non-NaN codes, signed zeros and subnormals included."""
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(quant.e4m3_values(jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn))))
+    assert_bits_equal(got, want)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the conversion-chain removal is XLA's GPU pipeline's")
+def test_fp8_sim_rounds_on_gpu(rng):
+    """Compiled for the GPU inside one jit, the FP8 fake quantizer still rounds (XLA there removes f32 -> e4m3 ->
+    f32 convert chains; `e4m3_values` keeps the rounding): the same bits as the numpy reference."""
+    x = random_blocks(rng, (4, 512), 32).astype(F32)
+    got = np.asarray(jax.jit(lambda v: quant.fp8_e4m3_sim(v * 1.0, 128))(jnp.asarray(x)))
+    assert_bits_equal(got, ref_fp8_sim(x, 128, True))
