@@ -447,6 +447,68 @@ def interleave_nibbles(values):
     return leaves[0].reshape(r, 8 * c)
 
 
+# FP4 -> FP8 e4m3 by moving bits (the tensor-core path, issue 8). An e2m1 code s|e1 e0|m placed as the e4m3 byte
+# s|0 0 e1 e0|m 0 0 reads as the e2m1 value times 2^-6 — e4m3's exponent bias is 7 where e2m1's is 1, and e = 0
+# lands on e4m3's subnormals with the same mantissa — for all 16 codes (±0 included; never a NaN byte). A word of 8
+# codes gives two words of 4 e4m3 bytes (low nibbles, high nibbles): ~7 integer ops per 8 values, where the bf16
+# decode costs ~28, and no float op at all. The 2^6 goes into the block scale, which multiplies the MMA's product.
+FP4_E4M3_SIGN, FP4_E4M3_MAGNITUDE = 0x80808080, 0x1C1C1C1C
+FP4_E4M3_UNSCALE = 64.0
+
+
+def fp4_e4m3_words(words):
+    """uint32 words of 8 e2m1 codes (low nibble first) -> (even, odd) uint32 words of 4 e4m3 bytes: byte t of even
+    holds code 2t, of odd code 2t + 1, each worth the code's value times 2^-6."""
+    sign, mag = jnp.uint32(FP4_E4M3_SIGN), jnp.uint32(FP4_E4M3_MAGNITUDE)
+    return ((words << 4) & sign) | ((words << 2) & mag), (words & sign) | ((words >> 2) & mag)
+
+
+def fp4_e4m3_values(words):
+    """uint32 words [r, c] of 8 e2m1 codes -> float8_e4m3fn [r, 8c] in column order (code 8j + p at column 8j + p),
+    each the code's value times 2^-6 (exact)."""
+    even, odd = fp4_e4m3_words(words)
+    byte = lambda w, t: jax.lax.bitcast_convert_type(((w >> (8 * t)) & 0xFF).astype(jnp.uint8),  # noqa: E731
+                                                     jnp.float8_e4m3fn)
+    return interleave_nibbles([byte(odd if p % 2 else even, p // 2) for p in range(8)])
+
+
+def _fp4_e4m3_ptx(high: bool) -> str:
+    """PTX: 4 packed code bytes $1 -> $0 = their low (or high) nibbles as e4m3 bytes."""
+    sign, mag = f"{FP4_E4M3_SIGN:#010x}", f"{FP4_E4M3_MAGNITUDE:#010x}"
+    t = ["and.b32 fe_t, $1, " + sign + ";", "shr.b32 fe_u, $1, 2;"] if high else [
+        "shl.b32 fe_t, $1, 4;", f"and.b32 fe_t, fe_t, {sign};", "shl.b32 fe_u, $1, 2;"]
+    return "\n".join(["{", ".reg .b32 fe_t, fe_u;", *t, f"and.b32 fe_u, fe_u, {mag};", "or.b32 $0, fe_t, fe_u;", "}"])
+
+
+def fp4_e4m3_bytes(packed, asm: bool):
+    """Packed e2m1 bytes uint8 [r, c] (low nibble first) -> float8_e4m3fn [r, 2c] in column order, each the code's
+    value times 2^-6. asm (compiled kernels): two PTX statements per 4 bytes (the byte-parallel `fp4_e4m3_words`
+    recipe); else the same bit moves in jnp, a byte at a time."""
+    if asm:
+        from jax.experimental.pallas import triton as plt
+        even, odd = (plt.elementwise_inline_asm(  # one result a statement, signless (see `_fp4_asm_pairs`)
+            _fp4_e4m3_ptx(high), args=[packed], constraints="=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int8)])[0] for high in (False, True))
+    else:
+        even = ((packed << 4) & 0x80) | ((packed << 2) & 0x1C)
+        odd = (packed & 0x80) | ((packed >> 2) & 0x1C)
+    f8 = lambda b: jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn)  # noqa: E731
+    r, c = packed.shape
+    return jnp.stack([f8(even), f8(odd)], axis=-1).reshape(r, 2 * c)
+
+
+def fp4_e4m3_chunk(w_ref, s_ref, e, rows, k0, bk: int, block: int, asm: bool):
+    """Rows `rows` x columns [k0, k0 + bk) of FP4 expert e as e4m3 codes [rows, bk] (values x 2^-6) and the scales
+    of its bk / block scale blocks times 2^6, fp32 [rows, bk / block]. w_ref: the packed bytes or `fp4_words`."""
+    r2 = rows[:, None]
+    if w_ref.dtype == jnp.uint8:
+        vals = fp4_e4m3_bytes(gather(w_ref, e, r2, (iota(bk // 2) + k0 // 2)[None, :]), asm)
+    else:
+        vals = fp4_e4m3_values(gather(w_ref, e, r2, (iota(bk // 8) + k0 // 8)[None, :]))
+    scale = e8m0_to_f32(gather(s_ref, e, r2, (iota(bk // block) + k0 // block)[None, :])) * FP4_E4M3_UNSCALE
+    return vals, scale
+
+
 def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtype, asm: bool = False):
     """Rows `rows` x chunk [k0, k0+bk) of expert e of a stored `Linear` stack as (input columns, values
     [len(rows), len(columns)] in dtype, scale per row fp32 or None) triples: out += (x[:, cols] · valuesᵀ) · scale.
@@ -457,8 +519,25 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
     two times an e2m1 value). Asked for fp32 (GEMV tiles' multiply-adds): one piece per nibble position p (columns
     8j + p of the chunk's words j, from `fp4_f32_values`, no bf16 step), each multiplied in place. Asked for bf16
     (MMA tiles): the eight interleaved back into the chunk's columns (`interleave_nibbles`), one operand. asm
-    (compiled kernels): the values come from the PTX decode (~4 integer ops per value)."""
+    (compiled kernels): the values come from the PTX decode (~4 integer ops per value). Asked for e4m3 (FP8 tensor
+    cores, FP8 activations): FP8 codes as they are, FP4 codes moved into e4m3 bytes (`fp4_e4m3_values`) one piece
+    per scale block, the unscaled codes with their scale (times 2^6) to multiply each block's product."""
     r2 = rows[:, None]
+    if fmt == "fp4" and dtype == jnp.float8_e4m3fn:     # FP8 tensor cores: one piece per scale block, unscaled codes
+        if bk % block or block % 32:
+            raise ValueError(f"FP4 weights as FP8 operands: chunk {bk} must hold whole scale blocks of 32k columns, "
+                             f"got block {block}")
+        out = []
+        for k in [k0 + g * block for g in range(bk // block)]:
+            scale = e8m0_to_f32(gather(s_ref, e, rows, k // block)) * FP4_E4M3_UNSCALE
+            if w_ref.dtype == jnp.uint8:            # the packed bytes (where int32 offsets reach them)
+                jb = iota(block // 2) + k // 2
+                vals = fp4_e4m3_bytes(gather(w_ref, e, r2, jb[None, :]), asm)
+            else:                                   # `fp4_words`
+                jw = iota(block // 8) + k // 8
+                vals = fp4_e4m3_values(gather(w_ref, e, r2, jw[None, :]))
+            out.append((iota(block) + k, vals, scale))
+        return out
     if fmt == "fp4":
         if block % 8 or bk % 8:
             raise ValueError(f"FP4 weights: scale block {block} and chunk {bk} must be multiples of 8 columns")
@@ -471,7 +550,8 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
             v.astype(dtype) for v in fp4_f32_values(words, scale, False)]
         return [(iota(bk) + k0, interleave_nibbles(values), None)]     # one MMA operand, the chunk's own columns
     cols = iota(bk) + k0
-    vals = gather(w_ref, e, r2, cols[None, :]).astype(dtype)
+    vals = gather(w_ref, e, r2, cols[None, :])
+    vals = jax.lax.bitcast_convert_type(vals, dtype) if vals.dtype == jnp.uint8 else vals.astype(dtype)
     scale = e8m0_to_f32(gather(s_ref, e, rows // block, k0 // block)) if fmt == "fp8" else None
     return [(cols, vals, scale)]
 

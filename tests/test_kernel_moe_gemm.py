@@ -209,9 +209,43 @@ def test_fp4_bf16_pair_recipe_decodes_every_code(test_seed):
             assert np.array_equal(np.signbit(got), np.signbit(want)), f"nibble {nib}: signed zeros"
 
 
+def test_fp4_e4m3_bytes_are_the_codes_times_2_pow_minus_6(test_seed):
+    """The FP8 tensor-core form's FP4 decode (`common.fp4_e4m3_values`: bits moved, no arithmetic) gives every
+    e2m1 code at every nibble position as an e4m3 value equal to the code's value times 2^-6, signed zeros kept,
+    in column order (code 8j + p at column 8j + p)."""
+    from dsjax.kernels.common import fp4_code_to_f32, fp4_e4m3_values
+
+    rng = np.random.default_rng(test_seed)
+    words = rng.integers(0, 1 << 32, (64, 16), dtype=np.uint64).astype(np.uint32)
+    words[0, :2] = np.array([0x76543210, 0xFEDCBA98], np.uint32)          # every code, in order
+    got = np.asarray(fp4_e4m3_values(jnp.asarray(words)).astype(jnp.float32))
+    codes = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    want = np.asarray(fp4_code_to_f32(jnp.asarray(codes.reshape(64, 128)))) * np.float32(2.0 ** -6)
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.parametrize("fmt,form", [("fp8", "pieces"), ("fp4", "pieces"), ("fp4", "groups")])
+def test_fp8_operands_with_fp8_activations(test_seed, fmt, form):
+    """FP8 activations and FP8 / FP4 experts with `fp8_mma`: the kernels take e4m3 codes (the FP8 tensor-core form:
+    a dot per weight piece, or for FP4 a chunk's scale blocks side by side on N, `fp8_dot="groups"`) and match the
+    reference at 1 and 8 tokens, and the bf16-operand form (`fp8_mma=False`) on the same inputs."""
+    from dsjax.kernels.moe_gemm import pallas_triton
+
+    for n in (1, 8):
+        x, weights, ids, w1, w3, w2 = case = _case(test_seed, fmt, n)
+        run = lambda **o: pallas_triton.moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                                 act_quant_sim=True, act_quant_block=128, interpret=True, **o)
+        text = str(jax.make_jaxpr(lambda: run(fp8_mma=True, fp8_dot=form))())
+        assert "f8_e4m3fn" in text.split("pallas_call")[1], "the kernel does not take e4m3 operands"
+        got = run(fp8_mma=True, fp8_dot=form)
+        _check(got, _run(case, "reference", True))
+        _check(got, run(fp8_mma=False))
+
+
 def test_fp4_asm_decode_lowers_for_h200():
-    """With the PTX decode the FP4 expert kernels still lower to two Triton kernels (the interpreter, which
-    cannot run PTX, keeps the jnp decode: every other test here)."""
+    """With the PTX decode the FP4 expert kernels (bf16 operands) still lower to two Triton kernels (the interpreter,
+    which cannot run PTX, keeps the jnp decode: every other test here)."""
     from dsjax.kernels.moe_gemm import pallas_triton
     S = jax.ShapeDtypeStruct
     E_, D_, I_, n = 16, 512, 256, 4
@@ -219,7 +253,7 @@ def test_fp4_asm_decode_lowers_for_h200():
     for asm in (True, False):
         f = lambda x, w, ids, a, b, c: pallas_triton.moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
                                                               act_quant_sim=True, act_quant_block=128,
-                                                              interpret=False, fp4_asm=asm)
+                                                              interpret=False, fp4_asm=asm, fp8_mma=False)
         text = lower_for_h200(f, S((n, D_), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                               lin(I_, D_), lin(I_, D_), lin(D_, I_))
         assert text.count("xla.gpu.triton") == 2
@@ -294,7 +328,7 @@ def test_gemv_tiles(test_seed, fmt, block_m, block_k):
     counts = np.bincount(np.asarray(ids)[np.asarray(weights) > 0], minlength=E)
     assert (counts[4:] == 1).all() and (counts[:2] > block_m).all(), counts
     got = moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
-                   implementation="pallas", interpret=True, block_m=block_m, block_k=block_k)
+                   implementation="pallas", interpret=True, block_m=block_m, block_k=block_k, fp8_mma=False)
     _check(got, _run((x, weights, ids, w1, w3, w2), "reference", True))
 
 
@@ -305,8 +339,32 @@ def test_fp4_asm_equals_jnp_decode_on_gpu(test_seed, n):
     same bf16 weights; the sums are then the same program) — the check the CPU interpreter cannot make."""
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     out = {asm: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True,
-                                    act_quant_block=128, implementation="pallas", interpret=False, fp4_asm=asm)
-                           .astype(jnp.float32)) for asm in (False, True)}
+                                    act_quant_block=128, implementation="pallas", interpret=False, fp4_asm=asm,
+                                    fp8_mma=False).astype(jnp.float32)) for asm in (False, True)}
     assert np.isfinite(out[False]).all()
     np.testing.assert_array_equal(out[True], out[False])
     _check(out[False], np.asarray(_run((x, weights, ids, w1, w3, w2), "reference", True)))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="FP8 tensor cores run only on an NVIDIA GPU")
+@pytest.mark.parametrize("fmt,form", [("fp8", "pieces"), ("fp4", "pieces"), ("fp4", "groups")])
+@pytest.mark.parametrize("n", [1, 8, 40])
+def test_fp8_mma_matches_bf16_operands_on_gpu(test_seed, fmt, form, n):
+    """Compiled, the FP8 tensor-core form equals the bf16-operand form and the reference within `_check`'s bound
+    (the same exact products; only the accumulation order differs)."""
+    x, weights, ids, w1, w3, w2 = case = _case(test_seed, fmt, n)
+    out = {mma: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True,
+                                    act_quant_block=128, implementation="pallas", interpret=False, fp8_mma=mma,
+                                    fp8_dot=form))
+           for mma in (False, True)}
+    assert np.isfinite(out[True]).all()
+    _check(out[True], out[False])
+    _check(out[True], np.asarray(_run(case, "reference", True)))
+
+
+def test_unknown_fp8_dot_is_refused():
+    from dsjax.kernels.moe_gemm import pallas_triton
+    x, weights, ids, w1, w3, w2 = _case(0, "fp4", 1)
+    with pytest.raises(ValueError, match="fp8_dot must be"):
+        pallas_triton.moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True,
+                               act_quant_block=128, interpret=True, fp8_dot="wx")

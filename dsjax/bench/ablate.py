@@ -34,6 +34,10 @@ def add_args(p) -> None:
     p.add_argument("--steps-per-dispatch", type=int, default=32, help="baseline steps per dispatch (default 32)")
     p.add_argument("--kernels", default="auto", type=kernels_arg,
                    help="baseline kernels: auto | xla | pallas, then optional per-op overrides (auto+moe_gemm=xla)")
+    p.add_argument("--numerics", default=None, choices=["transformers", "reference-bf16", "reference-fp8"],
+                   help="a slice's numerics (default: the slice config's, bf16 activations); reference-fp8 rounds "
+                        "activations to FP8 as DeepSeek's reference does, which lets the MoE kernels run on FP8 "
+                        "tensor cores")
     p.add_argument("--steps", type=int, default=64, help="timed steps per point (default 64)")
     p.add_argument("--values", action="append", default=[], metavar="SWEEP=V1,V2",
                    help="override a sweep's values, e.g. context=1024,8192 (repeatable)")
@@ -66,7 +70,8 @@ def _model(args):
     from dsjax.bench.slices import slice_model
 
     if args.model.startswith("slice:"):
-        return slice_model(args.model, kernels=args.kernels, max_seq_len=8192, max_batch=64), True
+        return slice_model(args.model, kernels=args.kernels, max_seq_len=8192, max_batch=64,
+                           numerics=args.numerics), True
     import dsjax
 
     return dsjax.load(args.model, kernels=args.kernels), False
@@ -151,7 +156,8 @@ def run(args) -> int:
     base = dict(batch=args.batch, context=args.context, k=args.k, alpha=args.alpha,
                 steps_per_dispatch=args.steps_per_dispatch, steps=args.steps, kernels=args.kernels)
     for sweep in sweeps:
-        info = {**run_info("ablate", None), "model": model.source, "config": model.cfg.name, "roofline": roof,
+        info = {**run_info("ablate", None), "model": model.source, "config": model.cfg.name,
+                "numerics": model.cfg.numerics, "roofline": roof,
                 "baseline": base, "sweep": sweep}
         if sweep == "proxy":
             info["proxy"] = proxy(model, roof, args)

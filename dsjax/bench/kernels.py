@@ -403,9 +403,9 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             chosen = (configs + gemv if sweep and n <= 8 and fmt == "fp4" else
                       [{}] + gemv if sweep and n <= 8 else
                       prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
-            # beside the defaults: FP4 decoded in jnp, not PTX; at decode, 16-pair MMA tiles instead of GEMV tiles
-            previous = ([dict(fp4_asm=False)] + ([dict(block_m=16, block_k=128)] if n <= 8 else [])
-                        if fmt == "fp4" else [])
+            # beside the defaults: the other operand form (FP8 activations: FP8 tensor cores or bf16 operands,
+            # `FP8_MMA_DEFAULT` picks per format)
+            previous = [dict(fp8_mma=not moe_gemm_kernel.FP8_MMA_DEFAULT[fmt])] if fmt in ("fp4", "fp8") else []
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,

@@ -121,9 +121,10 @@ def full_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def slice_model(spec: str, *, kernels: str = "auto", max_seq_len: int = 8192, max_batch: int = 1, seed: int = 0,
-                tp: int = 1):
+                tp: int = 1, numerics: str | None = None):
     """A `dsjax.Model` of a layer slice with random weights drawn on the first device (`tp` > 1: sharded over the
-    first `tp` devices by the sharding rules; the same seed draws the same weights at every degree)."""
+    first `tp` devices by the sharding rules; the same seed draws the same weights at every degree). numerics: one
+    of `dsjax.config.NUMERICS` (default: the config's own)."""
     from dsjax import sharding
     from dsjax.api import Model, enable_compilation_cache
     from dsjax.bench.device_weights import device_params
@@ -131,6 +132,7 @@ def slice_model(spec: str, *, kernels: str = "auto", max_seq_len: int = 8192, ma
     enable_compilation_cache()
     family, layers, experts = parse_slice(spec)
     cfg = slice_config(layers, experts, family=family, pattern="model").replace(kernels=kernels)
+    cfg = cfg.with_numerics(numerics) if numerics else cfg
     mesh = sharding.make_mesh(tp, 1, jax.devices()[:tp])
     shardings = sharding.param_shardings(cfg, mesh)
     if tp == 1:  # plain single-device arrays, like dsjax.load's

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsjax import quant
-from dsjax.kernels.common import (check_offsets, dot_nt, fp4_words, gather, iota, round_bf, triton_interpret,
-                                  triton_params, weight_pieces)
+from dsjax.kernels.common import (check_offsets, dot_nt, fp4_e4m3_chunk, fp4_words, gather, iota, offsets_fit,
+                                  round_bf, triton_interpret, triton_params, weight_pieces)
 from dsjax.kernels.moe_gemm.xla import merged_pair_weights
 from dsjax.layers import moe as _moe
 from dsjax.numerics import sum_in_order
@@ -91,6 +91,32 @@ def picks_in_expert_order(ids):
     return (jnp.where(place[..., None, :] == j[:, None], j[None, :], 0)).sum(axis=-1, dtype=jnp.int32)
 
 
+# The FP8 tensor-core form by default, per expert format (H200, 2026-12-03, docs/benchmarks.md): FP8 experts gain
+# 1.2-1.3x at 1-8 tokens; FP4 experts lose (the per-scale-block dots cost more than the decode saves).
+FP8_MMA_DEFAULT = {"fp8": True, "fp4": False, "bf16": False, "f32": False}
+
+
+def fp8_operands_fit(w1, w2, act_block: int, block_k: int) -> bool:
+    """Whether the FP8 tensor-core form applies: FP8 / FP4 experts whose weight pieces (an FP8 chunk, an FP4 scale
+    block of 32k columns) each lie inside one activation scale block."""
+    def fits(lin):
+        width = lin.block if lin.fmt == "fp4" else k_chunk(lin.fmt, lin.block, block_k)
+        return lin.fmt in ("fp8", "fp4") and width % 32 == 0 and act_block % width == 0 and (
+            lin.fmt == "fp8" or k_chunk("fp4", lin.block, block_k) % lin.block == 0)
+    return fits(w1) and fits(w2)
+
+
+def as_bytes(codes, scales, groups: int = 0, block: int = 0):
+    """(e4m3 codes as uint8, scales): the kernels load the codes as bytes and reinterpret them in registers. groups:
+    the codes as [rows, groups, n], copy g keeping only the columns of scale blocks ≡ g (mod groups), zero elsewhere
+    (`_project`'s "groups" form: a chunk's scale blocks side by side on the MMA's N)."""
+    b = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    if groups:
+        g = (jnp.arange(b.shape[-1]) // block) % groups
+        b = jnp.where(g[None, None, :] == jnp.arange(groups)[None, :, None], b[:, None, :], jnp.uint8(0))
+    return b, scales
+
+
 def k_chunk(fmt: str, block: int, block_k: int) -> int:
     return min(block_k, block) if fmt == "fp8" else max(block_k, block) if fmt == "fp4" else block_k
 
@@ -107,21 +133,52 @@ def piece_columns(lin, bk: int) -> int:
     return bk // 8 if lin.fmt == "fp4" else bk
 
 
-def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int, asm: bool):
+def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int, asm: bool,
+             xs_of=None, fp8_dot: str = "pieces"):
     """fp32 [acc_rows, len(rows)] per Linear in lin_refs (sharing one input): Σ over n_chunks chunks from
-    k_lo of (x · valuesᵀ) · scale — by MMA, or for tiles under `MMA_MIN_ROWS` pairs by fp32 multiply-adds."""
-    gemv = acc_rows < MMA_MIN_ROWS
-    vals_dtype = jnp.float32 if gemv else dtype     # GEMV tiles take the weights as fp32 (FP4: decoded straight to it)
+    k_lo of (x · valuesᵀ) · scale — by MMA, or for tiles under `MMA_MIN_ROWS` pairs by fp32 multiply-adds. With
+    xs_of (FP8 activations: x_of gives e4m3 codes, xs_of(k) their scales [acc_rows] at column k) on FP8 tensor
+    cores: per weight piece (an FP8 chunk, an FP4 scale block) codes · codesᵀ, times the weight scale per row and
+    the activation scale per pair — weights on the MMA's M side, the tile's pairs on N."""
+    fp8 = xs_of is not None
+    gemv = not fp8 and acc_rows < MMA_MIN_ROWS
+    # GEMV tiles take the weights as fp32 (FP4: decoded straight to it); FP8 operands as e4m3 codes
+    vals_dtype = jnp.float8_e4m3fn if fp8 else jnp.float32 if gemv else dtype
+
+    if fp8 and fp8_dot == "groups":     # FP4: one dot a chunk, its scale blocks side by side on N
+        G = bk // lin.block
+
+        def group_step(c, accs):
+            k0 = k_lo + c * bk
+            xb = x_of(iota(bk) + k0)                                      # [G * pairs, bk] e4m3
+            xsc = xs_of(k0 + iota(G) * lin.block)                         # [G, pairs]
+            out = []
+            for acc, (w, s) in zip(accs, lin_refs):
+                vals, wsc = fp4_e4m3_chunk(w, s, e, rows, k0, bk, lin.block, asm)
+                part = dot_nt(vals, xb).reshape(rows.shape[0], G, acc_rows)
+                out.append(acc + (part * (wsc[:, :, None] * xsc[None, :, :])).sum(axis=1))
+            return tuple(out)
+
+        accs = jax.lax.fori_loop(0, n_chunks, group_step,
+                                 tuple(jnp.zeros((rows.shape[0], acc_rows), jnp.float32) for _ in lin_refs))
+        return tuple(a.T for a in accs)
 
     def step(c, accs):
         k0 = k_lo + c * bk
         pieces = [weight_pieces(w, s, e, rows, k0, bk, lin.fmt, lin.block, vals_dtype, asm) for w, s in lin_refs]
         xs = [x_of(cols) for cols, _, _ in pieces[0]]
-        xs = [x.astype(jnp.float32)[:, None, :] for x in xs] if gemv else xs
+        if fp8:             # codes travel as bytes (a masked fp8 load has no typed zero in the Triton lowering)
+            xs = [jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn) for x in xs]
+            width = bk // len(pieces[0])
+            x_scales = [xs_of(k0 + i * width) for i in range(len(pieces[0]))]
+        elif gemv:
+            xs = [x.astype(jnp.float32)[:, None, :] for x in xs]
         out = []
         for acc, lin_pieces in zip(accs, pieces):
-            for xp, (_, vals, scale) in zip(xs, lin_pieces):
-                if gemv:
+            for i, (xp, (_, vals, scale)) in enumerate(zip(xs, lin_pieces)):
+                if fp8:
+                    acc = acc + dot_nt(vals, xp) * (scale[:, None] * x_scales[i][None, :])
+                elif gemv:
                     acc = acc + xp * (vals if scale is None else vals * scale[:, None])[None, :, :]
                 else:
                     part = dot_nt(xp, vals)
@@ -129,9 +186,9 @@ def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, 
             out.append(acc)
         return tuple(out)
 
-    shape = (acc_rows, rows.shape[0]) + ((piece_columns(lin, bk),) if gemv else ())
+    shape = (rows.shape[0], acc_rows) if fp8 else (acc_rows, rows.shape[0]) + ((piece_columns(lin, bk),) if gemv else ())
     accs = jax.lax.fori_loop(0, n_chunks, step, tuple(jnp.zeros(shape, jnp.float32) for _ in lin_refs))
-    return tuple(a.sum(axis=2) for a in accs) if gemv else accs
+    return tuple(a.T for a in accs) if fp8 else tuple(a.sum(axis=2) for a in accs) if gemv else accs
 
 
 def _refs(lin, refs):
@@ -140,9 +197,11 @@ def _refs(lin, refs):
     return w, (refs.pop(0) if lin.fmt in ("fp8", "fp4") else None)
 
 
-def _stored(lin):
-    """The arrays a kernel reads: FP4 codes as words (`common.fp4_words`), then the scales if any."""
-    weight = fp4_words(lin.weight) if lin.fmt == "fp4" else lin.weight
+def _stored(lin, fp4_bytes: bool = False):
+    """The arrays a kernel reads: FP4 codes as words (`common.fp4_words`) — or with fp4_bytes as the packed bytes
+    where Pallas' int32 offsets reach them (`offsets_fit`) — then the scales if any."""
+    weight = lin.weight if lin.fmt == "fp4" and fp4_bytes and offsets_fit(lin.weight) else (
+        fp4_words(lin.weight) if lin.fmt == "fp4" else lin.weight)
     return [weight] + ([lin.scale] if lin.fmt in ("fp8", "fp4") else [])
 
 
@@ -156,14 +215,16 @@ def k_splits(programs: int, chunks: int, target: int) -> int:
 
 
 def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: int, bk: int, block_m: int, dt,
-                    params, interpret, target: int, fp4_asm: bool = False):
+                    params, interpret, target: int, fp4_asm: bool = False, inp_scale=None, act_block: int = 0,
+                    fp8_dot: str = "pieces"):
     """fp32 partial products [splits, P_pad, n_out] per Linear of lin_list (same format, same input) for every
     tile's pairs: grid (tiles, n_out / block_o, splits of the contraction). Pair p reads input row
     row_index[p] (x by token) or, with row_index None, row p (h by pair); P_pad = inp rows or len(row_index).
     fp4_asm: FP4 codes decoded by `common.fp4_bf16_asm` (PTX, ~4 integer ops a value instead of ~16) when compiled
     (the interpreter always runs the jnp decode); the default since the H200 run of 2026-12-01 (1.26-1.33x at 1-8
-    tokens, bit-identical outputs)."""
-    T, n_in = tiles.shape[0], inp.shape[1]
+    tokens, bit-identical outputs). inp_scale (fp32 [rows of inp, n_in / act_block]): inp holds FP8 e4m3 codes and
+    these their scales — the FP8 tensor-core form (`_project`)."""
+    T, n_in = tiles.shape[0], inp.shape[-1]
     P_pad = inp.shape[0] if row_index is None else row_index.shape[0]
     lin = lin_list[0]
     ks = k_splits(T * (n_out // block_o), n_in // bk, target)
@@ -173,6 +234,7 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
         refs = list(rest)
         idx_ref = refs.pop(0) if row_index is not None else None
         in_ref = refs.pop(0)
+        xs_ref = refs.pop(0) if inp_scale is not None else None
         lin_refs = [_refs(lin, refs) for _ in lin_list]
         out_refs = refs
         t, jo, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -183,51 +245,68 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
             ok = rows_p < r_end
             src = rows_p if idx_ref is None else gather(idx_ref, rows_p, mask=ok)
             out_rows = iota(block_o) + jo * block_o
-            x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])
+            if inp.ndim == 3:   # x by scale block of the chunk (`expand_groups`): [G * pairs, bk] and [G, pairs]
+                gi = iota(inp.shape[1])
+                x_of = lambda cols: jax.lax.bitcast_convert_type(gather(  # noqa: E731
+                    in_ref, src[None, :, None], gi[:, None, None], cols[None, None, :], mask=ok[None, :, None]),
+                    jnp.float8_e4m3fn).reshape(inp.shape[1] * m, cols.shape[0])
+                xs_of = lambda ks: gather(xs_ref, src[None, :], (ks // act_block)[:, None], mask=ok[None, :])  # noqa: E731
+            else:
+                x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])  # noqa: E731
+                xs_of = None if xs_ref is None else lambda k: gather(xs_ref, src, k // act_block, mask=ok)  # noqa: E731
             accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, m,
-                            fp4_asm and not interpret)
+                            fp4_asm and not interpret, xs_of, fp8_dot)
             for o_ref, acc in zip(out_refs, accs):
                 plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
 
-        if 1 < block_m < MMA_MIN_ROWS:          # GEMV tiles: one live pair (the usual case at decode) costs one row
+        if 1 < block_m < MMA_MIN_ROWS and inp_scale is None:          # GEMV tiles: one live pair (the usual case at decode) costs one row
             pl.when((e >= 0) & (r_end - r0 == 1))(lambda: tile(1))
             pl.when((e >= 0) & (r_end - r0 > 1))(lambda: tile(block_m))
         else:
             pl.when(e >= 0)(lambda: tile(block_m))
 
     index = [] if row_index is None else [row_index]
-    stored = [a for l in lin_list for a in _stored(l)]
-    check_offsets(name, tiles, *index, inp, *stored)
+    inputs = [inp] + ([] if inp_scale is None else [inp_scale])
+    stored = [a for l in lin_list for a in _stored(l, inp_scale is not None)]
+    check_offsets(name, tiles, *index, *inputs, *stored)
     return pl.pallas_call(
         body, out_shape=tuple(jax.ShapeDtypeStruct((ks, P_pad, n_out), jnp.float32) for _ in lin_list),
         grid=(T, n_out // block_o, ks), compiler_params=params, interpret=interpret, name=name,
-    )(tiles, *index, inp, *stored)
+    )(tiles, *index, *inputs, *stored)
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
              block_i: int | None = None, block_d: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
-             fp4_asm: bool = True):
+             fp4_asm: bool = True, fp8_mma: bool | None = None, fp8_dot: str = "pieces"):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
     at ≤ `GEMV_TOKENS` tokens: GEMV tiles of up to 4 pairs (a tile with one live pair runs as one row) and
     256-column chunks where the dims allow (H200: 1.09-1.39x the 16-pair MMA tiles at 1-8 tokens); at one token
     128-row output tiles and 8 warps (fewer, longer programs: 1.07x over 32 rows and 4 warps; 1.15x slower at 8
-    tokens)."""
+    tokens). fp8_mma (default per expert format: `FP8_MMA_DEFAULT`): with FP8 activations (act_quant_sim) and FP8 /
+    FP4 experts, the kernels take x and h as e4m3 codes and run on FP8 tensor cores (`_project`), MMA tiles of 16
+    pairs and 64 weight rows at every batch size; fp8_dot: "pieces" (a dot per FP8 chunk / FP4 scale block) or, for
+    FP4, "groups" (a chunk's scale blocks side by side on the MMA's N: one dot a chunk)."""
+    if fp8_dot not in ("pieces", "groups"):
+        raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
-    gemv = w1.fmt == "fp4" and n <= GEMV_TOKENS
+    fp8_mma = FP8_MMA_DEFAULT[w1.fmt] if fp8_mma is None else fp8_mma
+    fp8 = (fp8_mma and act_quant_sim and (block_m or MMA_MIN_ROWS) >= MMA_MIN_ROWS
+           and fp8_operands_fit(w1, w2, act_quant_block, block_k or 128))
+    gemv = not fp8 and w1.fmt == "fp4" and n <= GEMV_TOKENS
     block_m = block_m or (min(4, 1 << (n - 1).bit_length()) if gemv else 16 if n <= 64 else 32)
     block_k = block_k or (256 if gemv and D % 256 == 0 and I % 256 == 0 else 128)
     one = gemv and n == 1 and I % 128 == 0 and D % 128 == 0
-    small = 128 if one else 32 if w1.fmt == "fp4" and n <= 64 else 64
+    small = 128 if one else 64 if fp8 else 32 if w1.fmt == "fp4" and n <= 64 else 64
     block_i, block_d, num_warps = block_i or small, block_d or small, num_warps or (8 if one else 4)
     dt = x.dtype
     if dt == jnp.float32 or w1.fmt == "f32":
         raise ValueError("moe_gemm pallas: bf16 compute only (fp32 numerics use the xla path)")
     common = dict(block_m=block_m, dt=dt, params=triton_params(num_warps, num_stages),
-                  interpret=triton_interpret(interpret), target=target_programs, fp4_asm=fp4_asm)
+                  interpret=triton_interpret(interpret), target=target_programs, fp4_asm=fp4_asm, fp8_dot=fp8_dot)
 
     # Pairs: picks sorted by expert within each token (the reference's summation order), repeats merged.
     in_row = picks_in_expert_order(ids)
@@ -241,16 +320,25 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     else:
         order, tiles = (counted_tile_map if P <= COUNTED_MAP_PAIRS else tile_map)(key, E, block_m)
     tok = jnp.zeros((P + block_m,), jnp.int32) if one_token else jnp.pad((order // k).astype(jnp.int32), (0, block_m))
-    xq = quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x
+    groups_of = lambda lin: ((k_chunk("fp4", lin.block, block_k) // lin.block, lin.block)  # noqa: E731
+                             if fp8_dot == "groups" and lin.fmt == "fp4" else ())
+    if fp8:         # e4m3 codes and their scales: codes x scale = fp8_e4m3_sim(x), exactly
+        xq, xs = as_bytes(*quant.fp8_e4m3_codes(x, act_quant_block), *groups_of(w1))
+    else:
+        xq, xs = (quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x), None
+    act = dict(act_block=act_quant_block)
 
     g, u = grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, k_chunk(w1.fmt, w1.block, block_k),
-                           **common)
+                           inp_scale=xs, **act, **common)
     g, u = (round_bf(sum_in_order(a, axis=0), dt) for a in (g, u))
     h = (_moe.swiglu(g, u, swiglu_limit) * jnp.pad(pw if one_token else pw[order], (0, block_m))[:, None]).astype(dt)
-    if act_quant_sim:
+    hs = None
+    if fp8:
+        h, hs = as_bytes(*quant.fp8_e4m3_codes(h, act_quant_block), *groups_of(w2))
+    elif act_quant_sim:
         h = quant.fp8_e4m3_sim(h, act_quant_block)
     (y,) = grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, k_chunk(w2.fmt, w2.block, block_k),
-                           **common)
+                           inp_scale=hs, **act, **common)
     y_sorted = sum_in_order(y, axis=0).astype(dt)
     kept = (key if one_token else key[order]) < E   # dropped pairs were never written
     y = jnp.where(kept[:, None], y_sorted[:P], 0)
