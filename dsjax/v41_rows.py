@@ -66,7 +66,7 @@ def quantize_main(kv, cfg: ModelConfig):
     x = kv.astype(jnp.float32).reshape(kv.shape[:-1] + (d // MAIN_BLOCK, MAIN_BLOCK))
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), np.float32(6 * 2.0 ** -9))
     s = jnp.minimum(div_exact(amax, quant.FP4_MAX), np.float32(quant.FP8_MAX)).astype(jnp.float8_e4m3fn)
-    v = jnp.clip(div_exact(x, s.astype(jnp.float32)), -quant.FP4_MAX, quant.FP4_MAX)
+    v = jnp.clip(div_exact(x, quant.e4m3_values(s)), -quant.FP4_MAX, quant.FP4_MAX)  # not astype: XLA:GPU drops it
     codes = (quant._e2m1_index(jnp.abs(v), jnp) | (jnp.signbit(v).astype(jnp.int32) << 3)).astype(jnp.uint8)
     packed = quant.pack_fp4_codes(codes.reshape(kv.shape[:-1] + (d,)))
     return jnp.concatenate([packed, s[..., 0].view(jnp.uint8)], axis=-1)
