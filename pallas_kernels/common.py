@@ -529,14 +529,8 @@ def weight_pieces(w_ref, s_ref, e, rows, k0, bk: int, fmt: str, block: int, dtyp
                              f"got block {block}")
         out = []
         for k in [k0 + g * block for g in range(bk // block)]:
-            scale = e8m0_to_f32(gather(s_ref, e, rows, k // block)) * FP4_E4M3_UNSCALE
-            if w_ref.dtype == jnp.uint8:            # the packed bytes (where int32 offsets reach them)
-                jb = iota(block // 2) + k // 2
-                vals = fp4_e4m3_bytes(gather(w_ref, e, r2, jb[None, :]), asm)
-            else:                                   # `fp4_words`
-                jw = iota(block // 8) + k // 8
-                vals = fp4_e4m3_values(gather(w_ref, e, r2, jw[None, :]))
-            out.append((iota(block) + k, vals, scale))
+            vals, scale = fp4_e4m3_chunk(w_ref, s_ref, e, rows, k, block, block, asm)
+            out.append((iota(block) + k, vals, scale.reshape(-1)))
         return out
     if fmt == "fp4":
         if block % 8 or bk % 8:

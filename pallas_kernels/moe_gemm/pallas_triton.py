@@ -186,7 +186,8 @@ def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, 
             out.append(acc)
         return tuple(out)
 
-    shape = (rows.shape[0], acc_rows) if fp8 else (acc_rows, rows.shape[0]) + ((piece_columns(lin, bk),) if gemv else ())
+    shape = ((rows.shape[0], acc_rows) if fp8 else
+             (acc_rows, rows.shape[0]) + ((piece_columns(lin, bk),) if gemv else ()))
     accs = jax.lax.fori_loop(0, n_chunks, step, tuple(jnp.zeros(shape, jnp.float32) for _ in lin_refs))
     return tuple(a.T for a in accs) if fp8 else tuple(a.sum(axis=2) for a in accs) if gemv else accs
 
@@ -245,12 +246,13 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
             ok = rows_p < r_end
             src = rows_p if idx_ref is None else gather(idx_ref, rows_p, mask=ok)
             out_rows = iota(block_o) + jo * block_o
-            if inp.ndim == 3:   # x by scale block of the chunk (`expand_groups`): [G * pairs, bk] and [G, pairs]
+            if inp.ndim == 3:   # x by scale block of the chunk (`as_bytes(groups=...)`): [G * pairs, bk], [G, pairs]
                 gi = iota(inp.shape[1])
                 x_of = lambda cols: jax.lax.bitcast_convert_type(gather(  # noqa: E731
                     in_ref, src[None, :, None], gi[:, None, None], cols[None, None, :], mask=ok[None, :, None]),
                     jnp.float8_e4m3fn).reshape(inp.shape[1] * m, cols.shape[0])
-                xs_of = lambda ks: gather(xs_ref, src[None, :], (ks // act_block)[:, None], mask=ok[None, :])  # noqa: E731
+                xs_of = lambda ks: gather(  # noqa: E731
+                    xs_ref, src[None, :], (ks // act_block)[:, None], mask=ok[None, :])
             else:
                 x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])  # noqa: E731
                 xs_of = None if xs_ref is None else lambda k: gather(xs_ref, src, k // act_block, mask=ok)  # noqa: E731
@@ -259,7 +261,7 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
             for o_ref, acc in zip(out_refs, accs):
                 plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
 
-        if 1 < block_m < MMA_MIN_ROWS and inp_scale is None:          # GEMV tiles: one live pair (the usual case at decode) costs one row
+        if 1 < block_m < MMA_MIN_ROWS and inp_scale is None:   # GEMV tiles: one live pair (decode) costs one row
             pl.when((e >= 0) & (r_end - r0 == 1))(lambda: tile(1))
             pl.when((e >= 0) & (r_end - r0 > 1))(lambda: tile(block_m))
         else:
