@@ -4,11 +4,14 @@ XLA is allowed to keep bf16 intermediates in fp32 inside fusions ("excess precis
 the bf16 roundings the reference performs. `round_to` rounds with `lax.reduce_precision` first, an op XLA
 must honour, so the reference presets keep the reference's numbers under `jit` as well as op by op.
 Likewise XLA's algebraic simplifier turns `a / broadcast(b)` into `a * (1/b)`, which is not the correctly
-rounded quotient; `div_exact` and `mean_exact` keep IEEE division as torch performs it.
+rounded quotient; `div_exact` and `mean_exact` keep IEEE division as torch performs it. On the GPU XLA's
+f32 division is not correctly rounded at all (its quotients are a few ulp off, like `a * (1/b)`), so there
+`div_exact` corrects the quotient with an exact residual (`quotient_rn`); on the CPU it is IEEE already.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _BITS = {jnp.dtype(jnp.bfloat16): (8, 7), jnp.dtype(jnp.float16): (5, 10)}
 
@@ -23,10 +26,61 @@ def round_to(x, dtype):
 
 
 def div_exact(a, b):
-    """IEEE a / b with b broadcast to a's shape, hidden from the reciprocal rewrite by an optimization barrier."""
+    """IEEE a / b with b broadcast to a's shape, hidden from the reciprocal rewrite by an optimization barrier; on
+    accelerators the quotient is then corrected to the correctly rounded one (`quotient_rn`)."""
     a = jnp.asarray(a)
     b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
-    return a / b
+    q = a / b
+    if a.dtype != jnp.float32:
+        return q
+    return jax.lax.platform_dependent(a, b, q, cpu=lambda a, b, q: q, default=quotient_rn)
+
+
+def _high_half(x):
+    """x with the low 12 of its 23 stored mantissa bits cleared: 12 significant bits, so products of two such
+    halves are exact in fp32."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFFF000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _residual(a, b, c):
+    """a - c*b rounded once, for c within a few ulp of a/b.
+
+    c and b split into 12-bit halves make four exact products, and the first three subtractions are exact
+    (Sterbenz, then results on a grid they fit), so only the last rounds. Every product is exact, so fused
+    multiply-adds (which the GPU compiler may form) change nothing."""
+    ch, bh = _high_half(c), _high_half(b)
+    cl, bl = c - ch, b - bh
+    return (((a - ch * bh) - ch * bl) - cl * bh) - cl * bl
+
+
+def _round_step(a, b, q):
+    """q moved one ulp towards a/b (b > 0) unless it already is the nearest float.
+
+    Why one rounding does not matter: a - m*b for the midpoint m next to q is a nonzero multiple of
+    ulp(m) * ulp(b) / 2, which is the ulp of the residual near m, so the rounded residual minus the exactly
+    computed half gap (Sterbenz) has the sign of the exact one; and a quotient is never exactly a midpoint."""
+    r = _residual(a, b, q)                             # a/b - q = r / b
+    up = jnp.nextafter(q, np.float32(np.inf))
+    down = jnp.nextafter(q, np.float32(-np.inf))
+    half_up = (up - q) * np.float32(0.5) * b           # exact: a power of two times b
+    half_down = (q - down) * np.float32(0.5) * b
+    return jnp.where(r > half_up, up, jnp.where(r < -half_down, down, q))
+
+
+def quotient_rn(a, b, q):
+    """The correctly rounded fp32 a / b, given any q within 2 ulp of it (what the GPU's division returns).
+
+    Two exact residual checks, each moving q one ulp. Outside 2^-70 <= |a| <= 2^100, 2^-60 <= |b| <= 2^60,
+    2^-100 <= |q| <= 2^100 (zeros, infinities, NaN, values near underflow) q is returned as it is: there a
+    product in the residual could leave fp32's normal range, and such quotients round to zero in every
+    quantizer that uses this."""
+    sign = jnp.where(b < 0, np.float32(-1.0), np.float32(1.0))
+    a, b, q0 = a * sign, b * sign, q
+    within = ((jnp.abs(a) >= 2.0 ** -70) & (jnp.abs(a) <= 2.0 ** 100) & (b >= 2.0 ** -60) & (b <= 2.0 ** 60)
+              & (jnp.abs(q) >= 2.0 ** -100) & (jnp.abs(q) <= 2.0 ** 100))
+    q = jnp.where(within, q, np.float32(1.0))          # keeps the residual's products finite where unused
+    return jnp.where(within, _round_step(a, b, _round_step(a, b, q)), q0)
 
 
 def mean_exact(x, axis, keepdims: bool = True):

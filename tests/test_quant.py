@@ -140,7 +140,7 @@ def tie_blocks(rng, nblocks, block, top, ties, scales):
 
 
 def test_xla_and_ml_dtypes_casts_are_rne(rng):
-    """Finding: XLA CPU's f32->float8_e4m3fn and f32->float4_e2m1fn conversions and ml_dtypes'
+    """Finding: XLA's f32->float8_e4m3fn and f32->float4_e2m1fn conversions and ml_dtypes'
     are round-to-nearest-even (checked on every bf16 value in range, every tie, random fp32)."""
     for dt, lim, ref, ties in ((ml_dtypes.float8_e4m3fn, 448, ref_e4m3, e4m3_midpoints()),
                                (ml_dtypes.float4_e2m1fn, 6, ref_e2m1, E2M1_TIES)):
@@ -149,8 +149,10 @@ def test_xla_and_ml_dtypes_casts_are_rne(rng):
                             (rng.uniform(-1, 1, 5000) * 2.0 ** rng.integers(-40, 0, 5000)).astype(F32)])
         want = ref(x)
         assert_bits_equal(x.astype(dt).astype(F32), want)
-        got = jax.jit(lambda a, dt=dt: a.astype(dt).astype(jnp.float32))(jnp.asarray(x))
-        assert_bits_equal(np.asarray(got), want)
+        # The codes leave the jit and widen on the host: inside one jit XLA's GPU pipeline removes the
+        # f32 -> e4m3 -> f32 chain (quant.e4m3_values), which would test nothing there.
+        got = jax.jit(lambda a, dt=dt: a.astype(dt))(jnp.asarray(x))
+        assert_bits_equal(np.asarray(got).astype(F32), want)
         if dt is ml_dtypes.float4_e2m1fn:
             assert_bits_equal(np.asarray(jax.jit(quant.e2m1_round)(jnp.asarray(x))), want)
             assert_bits_equal(quant.e2m1_round(x), want)
