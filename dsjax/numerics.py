@@ -31,9 +31,19 @@ def div_exact(a, b):
     a = jnp.asarray(a)
     b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
     q = a / b
-    if a.dtype != jnp.float32:
-        return q
+    return _rounded_quotient(a, b, q) if a.dtype == jnp.float32 else q
+
+
+@jax.custom_jvp
+def _rounded_quotient(a, b, q):
+    """q made the correctly rounded a / b where the platform's division is not (not on the CPU)."""
     return jax.lax.platform_dependent(a, b, q, cpu=lambda a, b, q: q, default=quotient_rn)
+
+
+@_rounded_quotient.defjvp
+def _rounded_quotient_jvp(primals, tangents):
+    """The derivative is the division's (through q): the correction moves values by an ulp and has none."""
+    return _rounded_quotient(*primals), tangents[2]
 
 
 def _high_half(x):

@@ -100,3 +100,15 @@ def test_div_exact_is_ieee_division_on_gpu(rng, divisor_bits):
     print(f"plain GPU division: {np.mean(plain != want):.2%} of quotients not correctly rounded")
     got = np.asarray(jax.jit(div_exact)(a, b))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_div_exact_differentiates_like_division(rng):
+    """Training differentiates through `div_exact` (softmax, silu, norms): its derivative is the division's, also
+    where the correction is in the program (it traces every platform's branch)."""
+    a, b = (jnp.asarray(v) for v in _pairs(rng, 24))
+    a, b = a[:1000], jnp.abs(b[:1000]) + 1.0
+    loss = lambda f: lambda x, y: (f(x, y) * jnp.cos(x)).sum()  # noqa: E731
+    got = jax.grad(loss(div_exact), argnums=(0, 1))(a, b)
+    want = jax.grad(loss(lambda x, y: x / y), argnums=(0, 1))(a, b)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
