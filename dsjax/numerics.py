@@ -4,9 +4,11 @@ XLA is allowed to keep bf16 intermediates in fp32 inside fusions ("excess precis
 the bf16 roundings the reference performs. `round_to` rounds with `lax.reduce_precision` first, an op XLA
 must honour, so the reference presets keep the reference's numbers under `jit` as well as op by op.
 Likewise XLA's algebraic simplifier turns `a / broadcast(b)` into `a * (1/b)`, which is not the correctly
-rounded quotient; `div_exact` and `mean_exact` keep IEEE division as torch performs it. On the GPU XLA's
-f32 division is not correctly rounded at all (its quotients are a few ulp off, like `a * (1/b)`), so there
-`div_exact` corrects the quotient with an exact residual (`quotient_rn`); on the CPU it is IEEE already.
+rounded quotient; `div_exact` and `mean_exact` keep IEEE division as torch performs it (on the CPU). On the GPU
+XLA's f32 division is not correctly rounded at all (its quotients are an ulp or two off, like `a * (1/b)`);
+`div_rn` corrects the quotient there with an exact residual (`quotient_rn`). The quantizers use it, where one ulp
+can move a scale or a code; elsewhere an ulp is within every GPU tolerance and the correction costs step time
+(H200: a V4-Flash slice's decode / verify step 0.7% / 1.2% slower with it in every division, docs/numerics.md).
 """
 
 import jax
@@ -26,12 +28,23 @@ def round_to(x, dtype):
 
 
 def div_exact(a, b):
-    """IEEE a / b with b broadcast to a's shape, hidden from the reciprocal rewrite by an optimization barrier; on
-    accelerators the quotient is then corrected to the correctly rounded one (`quotient_rn`)."""
+    """IEEE a / b with b broadcast to a's shape, hidden from the reciprocal rewrite by an optimization barrier (IEEE
+    on the CPU; on the GPU XLA's division is an ulp or two off: `div_rn` where that matters)."""
+    a, b = _hidden_divisor(a, b)
+    return a / b
+
+
+def div_rn(a, b):
+    """The correctly rounded a / b on every platform: `div_exact`, then on accelerators the quotient corrected
+    (`quotient_rn`). For quantizer scales and codes, where one ulp can change a stored byte."""
+    a, b = _hidden_divisor(a, b)
+    return _rounded_quotient(a, b, a / b) if a.dtype == jnp.float32 else a / b
+
+
+def _hidden_divisor(a, b):
+    """(a, b broadcast to a's shape behind an optimization barrier): the simplifier cannot see b to rewrite a / b."""
     a = jnp.asarray(a)
-    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
-    q = a / b
-    return _rounded_quotient(a, b, q) if a.dtype == jnp.float32 else q
+    return a, jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
 
 
 @jax.custom_jvp

@@ -27,7 +27,7 @@ Arithmetic follows the official ``inference/kernel.py`` (``act_quant_kernel``,
 
 XLA notes.  XLA's algebraic simplifier turns ``x / broadcast(s)`` and ``x / const`` into
 ``x * (1/s)``; that is exact for power-of-two s but not otherwise, so the non-power-of-two divisions
-(FP8 with ``pow2=False``, the e4m3-scaled FP4) go through ``_div_exact``.  XLA CPU's
+(FP8 with ``pow2=False``, the e4m3-scaled FP4) go through ``_div_rn``.  XLA CPU's
 f32 -> float8_e4m3fn / float4_e2m1fn conversions are round-to-nearest-even (same bits as ml_dtypes
 for every fp32 in range).  XLA CPU flushes subnormal fp32 *arithmetic* results to zero (FTZ).  That
 only matters where a product lands below 2^-126, i.e. e2m1 0.5 times the smallest ue8m0 scale
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from dsjax.numerics import div_exact as _div_exact, round_to
+from dsjax.numerics import div_rn as _div_rn, round_to
 
 __all__ = [
     "FP8_MAX", "FP4_MAX", "FP4_CODE_TABLE",
@@ -210,7 +210,7 @@ def _fp8_e4m3_blocks(x, block: int, pow2: bool):
     amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), _FP8_AMAX_FLOOR)
     q = amax * _FP8_MAX_INV
     s = ue8m0_ceil_scale(q) if pow2 else q
-    xs = xb / s if pow2 else _div_exact(xb, s)  # x / 2^k is exact even as XLA's x * 2^-k
+    xs = xb / s if pow2 else _div_rn(xb, s)  # x / 2^k is exact even as XLA's x * 2^-k
     return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
 
 
@@ -242,9 +242,9 @@ def fp4_e2m1_sim(x, block: int, *, scale_format: Literal["ue8m0", "e4m3"] = "ue8
         s = ue8m0_ceil_scale(jnp.maximum(amax, _FP4_UE8M0_AMAX_FLOOR) * _FP4_MAX_INV)
         xs = xb / s
     elif scale_format == "e4m3":
-        q = jnp.minimum(_div_exact(jnp.maximum(amax, _FP4_E4M3_AMAX_FLOOR), FP4_MAX), np.float32(FP8_MAX))
+        q = jnp.minimum(_div_rn(jnp.maximum(amax, _FP4_E4M3_AMAX_FLOOR), FP4_MAX), np.float32(FP8_MAX))
         s = e4m3_values(q.astype(jnp.float8_e4m3fn))
-        xs = _div_exact(xb, s)
+        xs = _div_rn(xb, s)
     else:
         raise ValueError(f"scale_format must be 'ue8m0' or 'e4m3', got {scale_format!r}")
     y = e2m1_round(jnp.clip(xs, -FP4_MAX, FP4_MAX)) * s

@@ -16,7 +16,7 @@ import numpy as np
 
 from dsjax import kv_rows, quant
 from dsjax.config import ModelConfig
-from dsjax.numerics import div_exact
+from dsjax.numerics import div_rn
 
 MAIN_BLOCK = 16   # FP4 main KV: one e4m3 scale per 16 values
 WINDOW_BLOCK = 32  # FP8 window KV: one ue8m0 scale per 32 values
@@ -65,8 +65,8 @@ def quantize_main(kv, cfg: ModelConfig):
     d = cfg.head_dim
     x = kv.astype(jnp.float32).reshape(kv.shape[:-1] + (d // MAIN_BLOCK, MAIN_BLOCK))
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), np.float32(6 * 2.0 ** -9))
-    s = jnp.minimum(div_exact(amax, quant.FP4_MAX), np.float32(quant.FP8_MAX)).astype(jnp.float8_e4m3fn)
-    v = jnp.clip(div_exact(x, quant.e4m3_values(s)), -quant.FP4_MAX, quant.FP4_MAX)  # not astype: XLA:GPU drops it
+    s = jnp.minimum(div_rn(amax, quant.FP4_MAX), np.float32(quant.FP8_MAX)).astype(jnp.float8_e4m3fn)
+    v = jnp.clip(div_rn(x, quant.e4m3_values(s)), -quant.FP4_MAX, quant.FP4_MAX)  # not astype: XLA:GPU drops it
     codes = (quant._e2m1_index(jnp.abs(v), jnp) | (jnp.signbit(v).astype(jnp.int32) << 3)).astype(jnp.uint8)
     packed = quant.pack_fp4_codes(codes.reshape(kv.shape[:-1] + (d,)))
     return jnp.concatenate([packed, s[..., 0].view(jnp.uint8)], axis=-1)

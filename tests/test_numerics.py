@@ -1,8 +1,9 @@
-"""numerics.quotient_rn / div_exact: the correctly rounded fp32 quotient, against numpy's IEEE division.
+"""numerics.quotient_rn / div_rn (and div_exact on the CPU): the correctly rounded fp32 quotient, against numpy's
+IEEE division.
 
 On the CPU XLA divides correctly already, so the correction is tested by handing it quotients pushed 1 and 2 ulp
 off on purpose (the GPU's division is within that); near-midpoint quotients, the hard case, are picked as the
-closest of a large random sample. A GPU-only test checks `div_exact` itself where the correction runs.
+A GPU-only test checks `div_rn` itself where the correction runs.
 """
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.numerics import div_exact, quotient_rn
+from dsjax.numerics import div_exact, div_rn, quotient_rn
 
 F32 = np.float32
 N = 400_000
@@ -84,31 +85,32 @@ def test_quotient_rn_leaves_out_of_range_values():
     np.testing.assert_array_equal(got.view(np.uint32), q.view(np.uint32))
 
 
-def test_div_exact_is_ieee_division(rng):
+def test_div_exact_and_div_rn_are_ieee_division_on_cpu(rng):
     a, b = _pairs(rng, 24)
-    got = np.asarray(jax.jit(div_exact)(a, b))
-    np.testing.assert_array_equal(got.view(np.uint32), (a / b).view(np.uint32))
+    for fn in (div_exact, div_rn):
+        got = np.asarray(jax.jit(fn)(a, b))
+        np.testing.assert_array_equal(got.view(np.uint32), (a / b).view(np.uint32))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the correction runs where division is not IEEE")
 @pytest.mark.parametrize("divisor_bits", [2, 4, 24])
-def test_div_exact_is_ieee_division_on_gpu(rng, divisor_bits):
-    """On the GPU plain division is off by an ulp or two (reported); `div_exact` is not."""
+def test_div_rn_is_ieee_division_on_gpu(rng, divisor_bits):
+    """On the GPU plain division is off by an ulp or two (reported); `div_rn` is not."""
     a, b = _pairs(rng, divisor_bits)
     want = a / b
     plain = np.asarray(jax.jit(lambda x, y: x / y)(a, b))
     print(f"plain GPU division: {np.mean(plain != want):.2%} of quotients not correctly rounded")
-    got = np.asarray(jax.jit(div_exact)(a, b))
+    got = np.asarray(jax.jit(div_rn)(a, b))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_div_exact_differentiates_like_division(rng):
-    """Training differentiates through `div_exact` (softmax, silu, norms): its derivative is the division's, also
-    where the correction is in the program (it traces every platform's branch)."""
+def test_div_rn_differentiates_like_division(rng):
+    """Anything that differentiates through `div_rn` (training, through the quantizers' straight paths) gets the
+    division's derivative, also where the correction is in the program (it traces every platform's branch)."""
     a, b = (jnp.asarray(v) for v in _pairs(rng, 24))
     a, b = a[:1000], jnp.abs(b[:1000]) + 1.0
     loss = lambda f: lambda x, y: (f(x, y) * jnp.cos(x)).sum()  # noqa: E731
-    got = jax.grad(loss(div_exact), argnums=(0, 1))(a, b)
+    got = jax.grad(loss(div_rn), argnums=(0, 1))(a, b)
     want = jax.grad(loss(lambda x, y: x / y), argnums=(0, 1))(a, b)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
