@@ -52,7 +52,8 @@ def _near_midpoints(rng, count=20_000):
             b.append(big_b)
     scale = np.exp2(rng.integers(-30, 30, count))
     sign = rng.choice([-1.0, 1.0], count)
-    return (np.array(a) * scale * sign).astype(F32), (np.array(b) * scale * np.exp2(rng.integers(-8, 8, count))).astype(F32)
+    b = np.array(b) * scale * np.exp2(rng.integers(-8, 8, count))
+    return (np.array(a) * scale * sign).astype(F32), b.astype(F32)
 
 
 def _assert_corrected(a, b):
@@ -113,7 +114,8 @@ def test_div_rn_differentiates_like_division(rng):
     """Anything that differentiates through `div_rn` (training, through the quantizers' straight paths) gets the
     division's derivative, also where the correction is in the program (it traces every platform's branch). Bit for
     bit on the CPU; on the GPU the two programs' divisions are each an ulp or two off (41 of 43 numerics, quant and
-    V4.1-row tests passed there; these two differed by ulps, at most 7.7e-6 relative: docs/benchmarks/h200-2026-12-03c/call4-pytest-gpu-final.log)."""
+    V4.1-row tests passed there; these two differed by ulps, at most 7.7e-6 relative:
+    docs/benchmarks/h200-2026-12-03c/call4-pytest-gpu-final.log)."""
     a, b = (jnp.asarray(v) for v in _pairs(rng, 24))
     a, b = a[:1000], jnp.abs(b[:1000]) + 1.0
     loss = lambda f: lambda x, y: (f(x, y) * jnp.cos(x)).sum()  # noqa: E731
