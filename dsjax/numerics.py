@@ -38,7 +38,8 @@ def div_rn(a, b):
     """The correctly rounded a / b on every platform: `div_exact`, then on accelerators the quotient corrected
     (`quotient_rn`). For quantizer scales and codes, where one ulp can change a stored byte."""
     a, b = _hidden_divisor(a, b)
-    return _rounded_quotient(a, b, a / b) if a.dtype == jnp.float32 else a / b
+    q = a / b
+    return _rounded_quotient(a, b, q) if a.dtype == jnp.float32 else q
 
 
 def _hidden_divisor(a, b):
@@ -94,7 +95,7 @@ def _round_step(a, b, q):
 def quotient_rn(a, b, q):
     """The correctly rounded fp32 a / b, given any q within 2 ulp of it (what the GPU's division returns).
 
-    Two exact residual checks, each moving q one ulp. Outside 2^-70 <= |a| <= 2^100, 2^-60 <= |b| <= 2^60,
+    Two residual checks (`_round_step`), each moving q one ulp. Outside 2^-70 <= |a| <= 2^100, 2^-60 <= |b| <= 2^60,
     2^-100 <= |q| <= 2^100 (zeros, infinities, NaN, values near underflow) q is returned as it is: there a
     product in the residual could leave fp32's normal range, and such quotients round to zero in every
     quantizer that uses this."""

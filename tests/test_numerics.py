@@ -2,8 +2,8 @@
 IEEE division.
 
 On the CPU XLA divides correctly already, so the correction is tested by handing it quotients pushed 1 and 2 ulp
-off on purpose (the GPU's division is within that); near-midpoint quotients, the hard case, are picked as the
-A GPU-only test checks `div_rn` itself where the correction runs.
+off on purpose (the GPU's division is within that), including quotients built to lie next to a midpoint between
+two floats, the hard case (`_near_midpoints`). A GPU-only test checks `div_rn` itself where the correction runs.
 """
 
 import jax
