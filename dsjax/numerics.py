@@ -132,9 +132,10 @@ def sigmoid(x):
     return div_exact(jnp.ones_like(x), 1.0 + jnp.exp(-x))
 
 
-def silu(x):
-    """x / (1 + exp(-x)), as torch's CPU silu computes it."""
-    return div_exact(x, 1.0 + jnp.exp(-x))
+def silu(x, divide=None):
+    """x / (1 + exp(-x)), as torch's CPU silu computes it. divide: the division (default `div_exact`; kernels pass
+    a plain one, as Pallas lowers no optimization barrier and nothing there rewrites it)."""
+    return (divide or div_exact)(x, 1.0 + jnp.exp(-x))
 
 
 def softplus(x):

@@ -223,6 +223,17 @@ def fp8_e4m3_codes(x, block: int):
     return codes.reshape(x.shape), s[..., 0]
 
 
+def fp8_e4m3_row_codes(x):
+    """``fp8_e4m3_codes`` of a tile whose rows are each one scale block ([m, block], fp32), kernel-safe: no
+    reshape, and the division by the power-of-two scale as a multiply by its exact reciprocal (written in the
+    exponent field). Why: the MoE kernels quantize their [pairs, chunk] activation tiles in registers, which
+    removes XLA's quantization kernels from a decode step. Returns (e4m3 codes [m, block], fp32 scales [m])."""
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), _FP8_AMAX_FLOOR)
+    e = _ceil_log2_bits(amax * _FP8_MAX_INV, jnp)
+    xs = x * _pow2_bits(-e, jnp)[:, None]
+    return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), _pow2_bits(e, jnp)
+
+
 @partial(jax.jit, static_argnames=("block", "scale_format"))
 def fp4_e2m1_sim(x, block: int, *, scale_format: Literal["ue8m0", "e4m3"] = "ue8m0"):
     """FP4 e2m1 fake quantization per ``block`` contiguous elements of the last dim

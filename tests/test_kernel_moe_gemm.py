@@ -152,9 +152,11 @@ def test_prefill_sized_batch(test_seed):
     _check(_run(case, "pallas", True), _run(case, "xla", True))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-def test_pallas_lowers_for_h200(fmt):
-    """V4-Flash expert shapes (4096 -> 2048, 256 experts, top-6, 8 tokens) lower to two Triton kernels."""
+@pytest.mark.parametrize("fmt,opts", [("fp8", {}), ("fp8", dict(fused=False)), ("fp8", dict(in_kernel_quant=True)),
+                                      ("fp4", {}), ("fp4", dict(fused=True))])
+def test_pallas_lowers_for_h200(fmt, opts):
+    """V4-Flash expert shapes (4096 -> 2048, 256 experts, top-6, 8 tokens) lower to two Triton kernels, with the
+    fused epilogue and without (the interpreter runs ops Triton has no lowering for)."""
     from dsjax.kernels.moe_gemm import pallas_triton
     S = jax.ShapeDtypeStruct
     E_, D_, I_, n = 256, 4096, 2048, 8
@@ -163,7 +165,7 @@ def test_pallas_lowers_for_h200(fmt):
     else:
         lin = lambda o, i: Linear(S((E_, o, i // 2), jnp.uint8), S((E_, o, i // 32), jnp.uint8), "fp4", 32)
     f = lambda x, w, ids, a, b, c: pallas_triton.moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0, act_quant_sim=True,
-                                                          act_quant_block=128, interpret=False)
+                                                          act_quant_block=128, interpret=False, **opts)
     text = lower_for_h200(f, S((n, D_), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I_, D_), lin(I_, D_), lin(D_, I_))
     assert text.count("xla.gpu.triton") == 2
@@ -360,6 +362,50 @@ def test_fp8_mma_matches_bf16_operands_on_gpu(test_seed, fmt, form, n):
     assert np.isfinite(out[True]).all()
     _check(out[True], out[False])
     _check(out[True], np.asarray(_run(case, "reference", True)))
+
+
+@pytest.mark.parametrize("fmt,opts", [("bf16", dict(fused=True)), ("fp4", dict(fused=True)),
+                                      ("fp8", dict(fused=False)), ("fp8", dict(in_kernel_quant=True))])
+def test_fused_epilogue_setting_that_is_not_the_default(test_seed, fmt, opts):
+    """`fused` (one split; the up kernel writes h with SwiGLU, routing weight and roundings, the down kernel y) is
+    the FP8 form's default: the other settings — fused bf16 / FP4 experts, unfused FP8, FP8 activations quantized
+    in the kernels (`in_kernel_quant`) — still match the reference at 1 and 8 tokens (duplicate experts, a pick
+    held by another shard, a token with no local expert)."""
+    for n in (1, 8):
+        x, weights, ids, w1, w3, w2 = case = _case(test_seed, fmt, n)
+        got = moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=fmt != "bf16",
+                       act_quant_block=128, implementation="pallas", interpret=True, **opts)
+        _check(got, _run(case, "reference", fmt != "bf16"))
+        if n > 1:
+            np.testing.assert_array_equal(np.asarray(got)[3], 0.0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("n", [1, 8, 40])
+def test_fused_matches_split_on_gpu(test_seed, fmt, n):
+    """Compiled, the fused kernels (in-kernel SwiGLU, exp and division in Triton; for FP8 also with in-register
+    activation quantization) equal the split ones with XLA's glue within `_check`'s bound, and the reference."""
+    x, weights, ids, w1, w3, w2 = case = _case(test_seed, fmt, n)
+    variants = dict(split=dict(fused=False), fused=dict(fused=True))
+    if fmt == "fp8":
+        variants["in_kernel_quant"] = dict(fused=True, in_kernel_quant=True)
+    out = {v: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=fmt != "bf16",
+                                  act_quant_block=128, implementation="pallas", interpret=False, **o))
+           for v, o in variants.items()}
+    for v in variants:
+        assert np.isfinite(out[v]).all(), v
+        _check(out[v], out["split"])
+        _check(out[v], np.asarray(_run(case, "reference", fmt != "bf16")))
+
+
+def test_in_kernel_quantization_needs_fp8_chunks_of_one_scale_block():
+    from dsjax.kernels.moe_gemm import pallas_triton
+    x, weights, ids, w1, w3, w2 = _case(0, "fp4", 1)
+    tiles = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="in-kernel activation quantization"):
+        pallas_triton.grouped_matmul("t", x, [w2], tiles, None, D, 64, 128, 16, jnp.bfloat16, None, True, 1,
+                                     act_block=128, quantize=True, fused=True)
 
 
 def test_unknown_fp8_dot_is_refused():

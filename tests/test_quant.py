@@ -225,6 +225,24 @@ def test_fp8_codes_times_scales_are_the_sim(rng, dtype):
         assert_bits_equal(back.reshape(x.shape).astype(dtype), np.asarray(quant.fp8_e4m3_sim(jnp.asarray(x), block)))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_fp8_row_codes_are_the_block_codes(rng, dtype):
+    """`fp8_e4m3_row_codes` (the MoE kernels' in-register quantizer: one scale block a row, a reciprocal multiply)
+    gives `fp8_e4m3_codes`' codes and scales bit for bit: e4m3 midpoints (ties), zero rows, the floor, huge rows."""
+    mids = e4m3_midpoints()
+    x = np.concatenate([random_blocks(rng, (48, 128), 128),
+                        tie_blocks(rng, 16, 128, 448.0, mids[mids < 448], np.exp2(np.arange(-20, 20.0)))])
+    x[0] = 0.0
+    x[1, :] = np.float32(3e-5)
+    x[2] = (rng.standard_normal(128) * 1e30).astype(F32)
+    x = x.astype(dtype)
+    codes, scales = jax.jit(quant.fp8_e4m3_row_codes)(jnp.asarray(x).astype(jnp.float32))
+    want_codes, want_scales = quant.fp8_e4m3_codes(jnp.asarray(x), 128)
+    assert codes.dtype == jnp.float8_e4m3fn and scales.shape == (64,)
+    assert_bits_equal(np.asarray(codes), np.asarray(want_codes))
+    assert_bits_equal(np.asarray(scales), np.asarray(want_scales)[:, 0])
+
+
 def test_fp8_sim_ties_and_edges(rng):
     mids = e4m3_midpoints()
     mids = mids[mids < 448]

@@ -44,12 +44,12 @@ def route(x, token_ids, w: MoE, cfg: ModelConfig, image_mask=None):
     return weights * cfg.route_scale, ids
 
 
-def swiglu(gate, up, limit: float):
-    """silu(min(gate, limit)) · clip(up, ±limit) in fp32."""
+def swiglu(gate, up, limit: float, divide=None):
+    """silu(min(gate, limit)) · clip(up, ±limit) in fp32 (divide: `numerics.silu`'s)."""
     if limit > 0:
         up = jnp.clip(up, -limit, limit)
         gate = jnp.minimum(gate, limit)
-    return silu(gate) * up
+    return silu(gate, divide) * up
 
 
 def shared_expert(x, w: MoE, cfg: ModelConfig):

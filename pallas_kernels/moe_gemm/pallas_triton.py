@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -134,13 +135,13 @@ def piece_columns(lin, bk: int) -> int:
 
 
 def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, acc_rows: int, asm: bool,
-             xs_of=None, fp8_dot: str = "pieces"):
+             fp8: bool = False, xs_of=None, fp8_dot: str = "pieces"):
     """fp32 [acc_rows, len(rows)] per Linear in lin_refs (sharing one input): Σ over n_chunks chunks from
-    k_lo of (x · valuesᵀ) · scale — by MMA, or for tiles under `MMA_MIN_ROWS` pairs by fp32 multiply-adds. With
-    xs_of (FP8 activations: x_of gives e4m3 codes, xs_of(k) their scales [acc_rows] at column k) on FP8 tensor
-    cores: per weight piece (an FP8 chunk, an FP4 scale block) codes · codesᵀ, times the weight scale per row and
-    the activation scale per pair — weights on the MMA's M side, the tile's pairs on N."""
-    fp8 = xs_of is not None
+    k_lo of (x · valuesᵀ) · scale — by MMA, or for tiles under `MMA_MIN_ROWS` pairs by fp32 multiply-adds. fp8
+    (FP8 activations) on FP8 tensor cores: per weight piece (an FP8 chunk, an FP4 scale block) codes · codesᵀ,
+    times the weight scale per row and the activation scale per pair — weights on the MMA's M side, the tile's
+    pairs on N; x_of(columns, first column) gives (e4m3 codes [acc_rows, columns], their scale [acc_rows]) — or,
+    in the "groups" form, x_of the codes alone and xs_of(k) the scales at column k."""
     gemv = not fp8 and acc_rows < MMA_MIN_ROWS
     # GEMV tiles take the weights as fp32 (FP4: decoded straight to it); FP8 operands as e4m3 codes
     vals_dtype = jnp.float8_e4m3fn if fp8 else jnp.float32 if gemv else dtype
@@ -166,12 +167,12 @@ def _project(x_of, lin_refs, lin, e, rows, k_lo, n_chunks: int, bk: int, dtype, 
     def step(c, accs):
         k0 = k_lo + c * bk
         pieces = [weight_pieces(w, s, e, rows, k0, bk, lin.fmt, lin.block, vals_dtype, asm) for w, s in lin_refs]
-        xs = [x_of(cols) for cols, _, _ in pieces[0]]
-        if fp8:             # codes travel as bytes (a masked fp8 load has no typed zero in the Triton lowering)
-            xs = [jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn) for x in xs]
+        if fp8:             # each piece's codes and scales; the scale block found by the piece's first column
             width = bk // len(pieces[0])
-            x_scales = [xs_of(k0 + i * width) for i in range(len(pieces[0]))]
-        elif gemv:
+            xs, x_scales = zip(*[x_of(cols, k0 + i * width) for i, (cols, _, _) in enumerate(pieces[0])])
+        else:
+            xs = [x_of(cols) for cols, _, _ in pieces[0]]
+        if gemv:
             xs = [x.astype(jnp.float32)[:, None, :] for x in xs]
         out = []
         for acc, lin_pieces in zip(accs, pieces):
@@ -217,25 +218,38 @@ def k_splits(programs: int, chunks: int, target: int) -> int:
 
 def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: int, bk: int, block_m: int, dt,
                     params, interpret, target: int, fp4_asm: bool = False, inp_scale=None, act_block: int = 0,
-                    fp8_dot: str = "pieces"):
+                    fp8_dot: str = "pieces", quantize: bool = False, fused: bool = False, swiglu_limit=None,
+                    pair_weight=None):
     """fp32 partial products [splits, P_pad, n_out] per Linear of lin_list (same format, same input) for every
     tile's pairs: grid (tiles, n_out / block_o, splits of the contraction). Pair p reads input row
     row_index[p] (x by token) or, with row_index None, row p (h by pair); P_pad = inp rows or len(row_index).
     fp4_asm: FP4 codes decoded by `common.fp4_bf16_asm` (PTX, ~4 integer ops a value instead of ~16) when compiled
     (the interpreter always runs the jnp decode); the default since the H200 run of 2026-12-01 (1.26-1.33x at 1-8
     tokens, bit-identical outputs). inp_scale (fp32 [rows of inp, n_in / act_block]): inp holds FP8 e4m3 codes and
-    these their scales — the FP8 tensor-core form (`_project`)."""
+    these their scales — the FP8 tensor-core form (`_project`); quantize: the same form from inp in the compute
+    dtype, each chunk (one activation scale block) quantized in registers (`quant.fp8_e4m3_row_codes`).
+    fused: one split, and the kernel writes the finished rows instead of partials — [P_pad, n_out] in dt: the
+    product rounded (down), or with swiglu_limit and pair_weight (fp32 [P_pad], the pair's routing weight; two
+    Linears, gate and up) h = round(swiglu(round(g), round(u)) · weight) (up). Why: at decode the split sums,
+    SwiGLU and quantizations are a dozen small XLA kernels around two GEMMs (docs/benchmarks.md)."""
     T, n_in = tiles.shape[0], inp.shape[-1]
     P_pad = inp.shape[0] if row_index is None else row_index.shape[0]
     lin = lin_list[0]
-    ks = k_splits(T * (n_out // block_o), n_in // bk, target)
+    if quantize and (bk != act_block or lin.fmt != "fp8"):
+        raise ValueError(f"{name}: in-kernel activation quantization needs FP8 weights read in chunks of one "
+                         f"activation scale block ({act_block}), got {lin.fmt} in chunks of {bk}")
+    if swiglu_limit is not None and (not fused or len(lin_list) != 2 or pair_weight is None):
+        raise ValueError(f"{name}: the SwiGLU epilogue needs fused=True, gate and up, and the pair weights")
+    ks = 1 if fused else k_splits(T * (n_out // block_o), n_in // bk, target)
     per = n_in // ks
+    fp8 = inp_scale is not None or quantize
 
     def body(tiles_ref, *rest):
         refs = list(rest)
         idx_ref = refs.pop(0) if row_index is not None else None
         in_ref = refs.pop(0)
         xs_ref = refs.pop(0) if inp_scale is not None else None
+        pw_ref = refs.pop(0) if pair_weight is not None else None
         lin_refs = [_refs(lin, refs) for _ in lin_list]
         out_refs = refs
         t, jo, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -254,33 +268,49 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
                 xs_of = lambda ks: gather(  # noqa: E731
                     xs_ref, src[None, :], (ks // act_block)[:, None], mask=ok[None, :])
             else:
+                xs_of = None
                 x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])  # noqa: E731
-                xs_of = None if xs_ref is None else lambda k: gather(xs_ref, src, k // act_block, mask=ok)  # noqa: E731
+                if quantize:
+                    x_of = lambda cols, k: quant.fp8_e4m3_row_codes(  # noqa: E731
+                        gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None]).astype(jnp.float32))
+                elif xs_ref is not None:    # codes travel as bytes (a masked fp8 load has no typed zero in Triton)
+                    x_of = lambda cols, k: (jax.lax.bitcast_convert_type(gather(  # noqa: E731
+                        in_ref, src[:, None], cols[None, :], mask=ok[:, None]), jnp.float8_e4m3fn),
+                        gather(xs_ref, src, k // act_block, mask=ok))
             accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, m,
-                            fp4_asm and not interpret, xs_of, fp8_dot)
-            for o_ref, acc in zip(out_refs, accs):
-                plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
+                            fp4_asm and not interpret, fp8, xs_of, fp8_dot)
+            if not fused:
+                for o_ref, acc in zip(out_refs, accs):
+                    plt.store(o_ref.at[s, rows_p[:, None], out_rows[None, :]], acc, mask=ok[:, None])
+                return
+            if swiglu_limit is None:
+                out = accs[0]
+            else:
+                g, u = (round_bf(a, dt) for a in accs)
+                out = _moe.swiglu(g, u, swiglu_limit, divide=jnp.divide) * gather(pw_ref, rows_p, mask=ok)[:, None]
+            plt.store(out_refs[0].at[rows_p[:, None], out_rows[None, :]], out.astype(dt), mask=ok[:, None])
 
-        if 1 < block_m < MMA_MIN_ROWS and inp_scale is None:   # GEMV tiles: one live pair (decode) costs one row
+        if 1 < block_m < MMA_MIN_ROWS and not fp8:   # GEMV tiles: one live pair (decode) costs one row
             pl.when((e >= 0) & (r_end - r0 == 1))(lambda: tile(1))
             pl.when((e >= 0) & (r_end - r0 > 1))(lambda: tile(block_m))
         else:
             pl.when(e >= 0)(lambda: tile(block_m))
 
     index = [] if row_index is None else [row_index]
-    inputs = [inp] + ([] if inp_scale is None else [inp_scale])
-    stored = [a for l in lin_list for a in _stored(l, inp_scale is not None)]
+    inputs = [inp] + ([] if inp_scale is None else [inp_scale]) + ([] if pair_weight is None else [pair_weight])
+    stored = [a for l in lin_list for a in _stored(l, fp8)]
     check_offsets(name, tiles, *index, *inputs, *stored)
-    return pl.pallas_call(
-        body, out_shape=tuple(jax.ShapeDtypeStruct((ks, P_pad, n_out), jnp.float32) for _ in lin_list),
-        grid=(T, n_out // block_o, ks), compiler_params=params, interpret=interpret, name=name,
-    )(tiles, *index, *inputs, *stored)
+    out_shape = ((jax.ShapeDtypeStruct((P_pad, n_out), dt),) if fused else
+                 tuple(jax.ShapeDtypeStruct((ks, P_pad, n_out), jnp.float32) for _ in lin_list))
+    return pl.pallas_call(body, out_shape=out_shape, grid=(T, n_out // block_o, ks), compiler_params=params,
+                          interpret=interpret, name=name)(tiles, *index, *inputs, *stored)
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
              block_i: int | None = None, block_d: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
-             fp4_asm: bool = True, fp8_mma: bool | None = None, fp8_dot: str = "pieces"):
+             fp4_asm: bool = True, fp8_mma: bool | None = None, fp8_dot: str = "pieces", fused: bool | None = None,
+             in_kernel_quant: bool = False):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
@@ -290,7 +320,13 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     tokens). fp8_mma (default per expert format: `FP8_MMA_DEFAULT`): with FP8 activations (act_quant_sim) and FP8 /
     FP4 experts, the kernels take x and h as e4m3 codes and run on FP8 tensor cores (`_project`), MMA tiles of 16
     pairs and 64 weight rows at every batch size; fp8_dot: "pieces" (a dot per FP8 chunk / FP4 scale block) or, for
-    FP4, "groups" (a chunk's scale blocks side by side on the MMA's N: one dot a chunk)."""
+    FP4, "groups" (a chunk's scale blocks side by side on the MMA's N: one dot a chunk). fused: no split contraction;
+    the up kernel writes h (SwiGLU, routing weight and roundings applied), the down kernel y rounded — the XLA kernels
+    between the GEMMs go (`grouped_matmul`). Default: both kernels in the FP8 tensor-core form (H200: the splits
+    gained nothing there), otherwise each kernel whose contraction would not be split anyway (prefill, larger
+    batches). in_kernel_quant (FP8 form, FP8 experts): x and h quantized to e4m3 in the kernels, per chunk, instead
+    of by XLA — 7 kernels a call instead of 14 at one token, but each of the I / block_i (D / block_d) programs of a
+    tile quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     n, k = ids.shape
@@ -321,27 +357,47 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
         order, tiles = single_token_tiles(key, E)
     else:
         order, tiles = (counted_tile_map if P <= COUNTED_MAP_PAIRS else tile_map)(key, E, block_m)
-    tok = jnp.zeros((P + block_m,), jnp.int32) if one_token else jnp.pad((order // k).astype(jnp.int32), (0, block_m))
+    # one token: every pair reads x row 0 (a constant, no kernel)
+    tok = jnp.asarray(np.zeros(P + block_m, np.int32)) if one_token else jnp.pad((order // k).astype(jnp.int32),
+                                                                                   (0, block_m))
     groups_of = lambda lin: ((k_chunk("fp4", lin.block, block_k) // lin.block, lin.block)  # noqa: E731
                              if fp8_dot == "groups" and lin.fmt == "fp4" else ())
-    if fp8:         # e4m3 codes and their scales: codes x scale = fp8_e4m3_sim(x), exactly
+    bk_up, bk_down = k_chunk(w1.fmt, w1.block, block_k), k_chunk(w2.fmt, w2.block, block_k)
+    T = tiles.shape[0]
+    if fused is None:   # FP8 form: always (H200); otherwise each kernel whose contraction would not be split anyway
+        fuse_up = fp8 or k_splits(T * (I // block_i), D // bk_up, target_programs) == 1
+        fuse_down = fp8 or k_splits(T * (D // block_d), I // bk_down, target_programs) == 1
+    else:
+        fuse_up = fuse_down = fused
+    if in_kernel_quant and not (fp8 and w1.fmt == w2.fmt == "fp8" and bk_up == bk_down == act_quant_block):
+        raise ValueError("moe_gemm pallas: in_kernel_quant needs the FP8 tensor-core form, FP8 experts and chunks of "
+                         f"one activation scale block ({act_quant_block})")
+    in_kernel = in_kernel_quant
+    if in_kernel:   # the kernels quantize each chunk (one scale block) in registers
+        xq, xs = x, None
+    elif fp8:       # e4m3 codes and their scales: codes x scale = fp8_e4m3_sim(x), exactly
         xq, xs = as_bytes(*quant.fp8_e4m3_codes(x, act_quant_block), *groups_of(w1))
     else:
         xq, xs = (quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x), None
-    act = dict(act_block=act_quant_block)
+    act = dict(act_block=act_quant_block, quantize=in_kernel)
+    pw_sorted = jnp.pad(pw if one_token else pw[order], (0, block_m))
 
-    g, u = grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, k_chunk(w1.fmt, w1.block, block_k),
-                           inp_scale=xs, **act, **common)
-    g, u = (round_bf(sum_in_order(a, axis=0), dt) for a in (g, u))
-    h = (_moe.swiglu(g, u, swiglu_limit) * jnp.pad(pw if one_token else pw[order], (0, block_m))[:, None]).astype(dt)
+    if fuse_up:
+        (h,) = grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, bk_up, inp_scale=xs, fused=True,
+                              swiglu_limit=swiglu_limit, pair_weight=pw_sorted, **act, **common)
+    else:
+        g, u = grouped_matmul("moe_gemm_up", xq, [w1, w3], tiles, tok, I, block_i, bk_up, inp_scale=xs, **act,
+                              **common)
+        g, u = (round_bf(sum_in_order(a, axis=0), dt) for a in (g, u))
+        h = (_moe.swiglu(g, u, swiglu_limit) * pw_sorted[:, None]).astype(dt)
     hs = None
-    if fp8:
+    if fp8 and not in_kernel:
         h, hs = as_bytes(*quant.fp8_e4m3_codes(h, act_quant_block), *groups_of(w2))
-    elif act_quant_sim:
+    elif act_quant_sim and not fp8:
         h = quant.fp8_e4m3_sim(h, act_quant_block)
-    (y,) = grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, k_chunk(w2.fmt, w2.block, block_k),
-                           inp_scale=hs, **act, **common)
-    y_sorted = sum_in_order(y, axis=0).astype(dt)
+    (y,) = grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, bk_down, inp_scale=hs, fused=fuse_down,
+                          **act, **common)
+    y_sorted = y if fuse_down else sum_in_order(y, axis=0).astype(dt)
     kept = (key if one_token else key[order]) < E   # dropped pairs were never written
     y = jnp.where(kept[:, None], y_sorted[:P], 0)
     if not one_token:
