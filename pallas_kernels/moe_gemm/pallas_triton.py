@@ -14,7 +14,9 @@ Between and after them, in XLA (elementwise, fused, a few MB at decode): partial
 rounded, the clamped SwiGLU times the pair's routing weight rounded to h (FP8 fake quantisation if asked), y
 rounded, each token's experts summed in ascending order in fp32. Splitting the contraction lets the 6 experts of
 one decode token fill the GPU (`k_splits`); at prefill (many tiles) there is one split and the kernels are a
-grouped GEMM over the sorted pairs.
+grouped GEMM over the sorted pairs. With one split (`fused`: the FP8 tensor-core form's default, and any kernel
+whose contraction is not split anyway) the kernels finish their rows themselves — the up kernel writes h, the
+down kernel y rounded — and only the activation codes, the routing order and the final sum stay in XLA.
 """
 
 import functools
