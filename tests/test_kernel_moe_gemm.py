@@ -152,11 +152,13 @@ def test_prefill_sized_batch(test_seed):
     _check(_run(case, "pallas", True), _run(case, "xla", True))
 
 
-@pytest.mark.parametrize("fmt,opts", [("fp8", {}), ("fp8", dict(fused=False)), ("fp8", dict(in_kernel_quant=True)),
-                                      ("fp4", {}), ("fp4", dict(fused=True))])
-def test_pallas_lowers_for_h200(fmt, opts):
-    """V4-Flash expert shapes (4096 -> 2048, 256 experts, top-6, 8 tokens) lower to two Triton kernels, with the
-    fused epilogue and without (the interpreter runs ops Triton has no lowering for)."""
+@pytest.mark.parametrize("fmt,opts,kernels", [
+    ("fp8", {}, 4), ("fp8", dict(fused=False), 4), ("fp8", dict(in_kernel_quant=True), 2),
+    ("fp8", dict(codes_kernel=False), 2), ("fp4", {}, 2), ("fp4", dict(fused=True), 2)])
+def test_pallas_lowers_for_h200(fmt, opts, kernels):
+    """V4-Flash expert shapes (4096 -> 2048, 256 experts, top-6, 8 tokens) lower to two Triton GEMM kernels — plus,
+    in the FP8 form, the x and h codes kernels — with the fused epilogue and without (the interpreter runs ops
+    Triton has no lowering for)."""
     from dsjax.kernels.moe_gemm import pallas_triton
     S = jax.ShapeDtypeStruct
     E_, D_, I_, n = 256, 4096, 2048, 8
@@ -168,7 +170,7 @@ def test_pallas_lowers_for_h200(fmt, opts):
                                                           act_quant_block=128, interpret=False, **opts)
     text = lower_for_h200(f, S((n, D_), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I_, D_), lin(I_, D_), lin(D_, I_))
-    assert text.count("xla.gpu.triton") == 2
+    assert text.count("xla.gpu.triton") == kernels
 
 
 def test_v41_expert_stacks_are_indexed_in_words():
@@ -397,6 +399,25 @@ def test_fused_matches_split_on_gpu(test_seed, fmt, n):
         assert np.isfinite(out[v]).all(), v
         _check(out[v], out["split"])
         _check(out[v], np.asarray(_run(case, "reference", fmt != "bf16")))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 256), (22, 384)])
+def test_act_codes_kernel_is_fp8_e4m3_codes(test_seed, rows, cols):
+    """`act_codes.fp8_codes` (the FP8 form's x and h codes in one kernel) equals `quant.fp8_e4m3_codes` bit for bit:
+    a partial last program, a zero block (the amax floor), magnitudes over 2^±30, bf16 input; on a GPU compiled
+    as well as interpreted."""
+    from dsjax.kernels.moe_gemm.act_codes import fp8_codes
+    from dsjax import quant
+    rng = np.random.default_rng(test_seed)
+    x = rng.standard_normal((rows, cols)) * np.exp2(rng.uniform(-30, 30, (rows, cols // 128))).repeat(128, -1)
+    x[0, :128] = 0.0
+    x = jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
+    want_codes, want_scales = quant.fp8_e4m3_codes(x, 128)
+    for interpret in (True, False) if jax.default_backend() == "gpu" else (True,):      # compiled too on a GPU
+        codes, scales = fp8_codes(x, 128, interpret=interpret)
+        assert codes.dtype == jnp.float8_e4m3fn and scales.shape == (rows, cols // 128)
+        np.testing.assert_array_equal(np.asarray(codes).view(np.uint8), np.asarray(want_codes).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
 
 
 def test_in_kernel_quantization_needs_fp8_chunks_of_one_scale_block():

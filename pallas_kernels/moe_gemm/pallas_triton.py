@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plt
 from dsjax import quant
 from dsjax.kernels.common import (check_offsets, dot_nt, fp4_e4m3_chunk, fp4_words, gather, iota, offsets_fit,
                                   round_bf, triton_interpret, triton_params, weight_pieces)
+from dsjax.kernels.moe_gemm.act_codes import fp8_codes
 from dsjax.kernels.moe_gemm.xla import merged_pair_weights
 from dsjax.layers import moe as _moe
 from dsjax.numerics import sum_in_order
@@ -312,7 +313,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              block_i: int | None = None, block_d: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
              fp4_asm: bool = True, fp8_mma: bool | None = None, fp8_dot: str = "pieces", fused: bool | None = None,
-             in_kernel_quant: bool = False):
+             in_kernel_quant: bool = False, codes_kernel: bool = True):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
@@ -328,7 +329,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     gained nothing there), otherwise each kernel whose contraction would not be split anyway (prefill, larger
     batches). in_kernel_quant (FP8 form, FP8 experts): x and h quantized to e4m3 in the kernels, per chunk, instead
     of by XLA — 7 kernels a call instead of 14 at one token, but each of the I / block_i (D / block_d) programs of a
-    tile quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off."""
+    tile quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off. codes_kernel:
+    the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     n, k = ids.shape
@@ -365,6 +367,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     groups_of = lambda lin: ((k_chunk("fp4", lin.block, block_k) // lin.block, lin.block)  # noqa: E731
                              if fp8_dot == "groups" and lin.fmt == "fp4" else ())
     bk_up, bk_down = k_chunk(w1.fmt, w1.block, block_k), k_chunk(w2.fmt, w2.block, block_k)
+    codes_of = (functools.partial(fp8_codes, block=act_quant_block, interpret=interpret) if codes_kernel else
+                functools.partial(quant.fp8_e4m3_codes, block=act_quant_block))
     T = tiles.shape[0]
     if fused is None:   # FP8 form: always (H200); otherwise each kernel whose contraction would not be split anyway
         fuse_up = fp8 or k_splits(T * (I // block_i), D // bk_up, target_programs) == 1
@@ -378,7 +382,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     if in_kernel:   # the kernels quantize each chunk (one scale block) in registers
         xq, xs = x, None
     elif fp8:       # e4m3 codes and their scales: codes x scale = fp8_e4m3_sim(x), exactly
-        xq, xs = as_bytes(*quant.fp8_e4m3_codes(x, act_quant_block), *groups_of(w1))
+        xq, xs = as_bytes(*codes_of(x), *groups_of(w1))
     else:
         xq, xs = (quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x), None
     act = dict(act_block=act_quant_block, quantize=in_kernel)
@@ -394,7 +398,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
         h = (_moe.swiglu(g, u, swiglu_limit) * pw_sorted[:, None]).astype(dt)
     hs = None
     if fp8 and not in_kernel:
-        h, hs = as_bytes(*quant.fp8_e4m3_codes(h, act_quant_block), *groups_of(w2))
+        h, hs = as_bytes(*codes_of(h), *groups_of(w2))
     elif act_quant_sim and not fp8:
         h = quant.fp8_e4m3_sim(h, act_quant_block)
     (y,) = grouped_matmul("moe_gemm_down", h, [w2], tiles, None, D, block_d, bk_down, inp_scale=hs, fused=fuse_down,
