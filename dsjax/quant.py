@@ -226,8 +226,8 @@ def fp8_e4m3_codes(x, block: int):
 def fp8_e4m3_row_codes(x):
     """``fp8_e4m3_codes`` of a tile whose rows are each one scale block ([m, block], fp32), kernel-safe: no
     reshape, and the division by the power-of-two scale as a multiply by its exact reciprocal (written in the
-    exponent field). Why: the MoE kernels quantize their [pairs, chunk] activation tiles in registers, which
-    removes XLA's quantization kernels from a decode step. Returns (e4m3 codes [m, block], fp32 scales [m])."""
+    exponent field). Why: Triton kernels quantize [rows, block] tiles with it — the MoE op's activation codes
+    kernel (`moe_gemm.act_codes`) and its in-kernel option. Returns (e4m3 codes [m, block], fp32 scales [m])."""
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), _FP8_AMAX_FLOOR)
     e = _ceil_log2_bits(amax * _FP8_MAX_INV, jnp)
     xs = x * _pow2_bits(-e, jnp)[:, None]

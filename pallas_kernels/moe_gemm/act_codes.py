@@ -31,12 +31,14 @@ def fp8_codes(x, block: int, interpret=None):
         r = iota(ROWS, pl.program_id(0) * ROWS)
         ok = r < n
         cols = iota(block)[None, :]
-        codes, scales = quant.fp8_e4m3_row_codes(gather(x_ref, r[:, None], cols, mask=ok[:, None]).astype(jnp.float32))
+        tile = gather(x_ref, r[:, None], cols, mask=ok[:, None]).astype(jnp.float32)
+        codes, scales = quant.fp8_e4m3_row_codes(tile)
         plt.store(codes_ref.at[r[:, None], cols], codes, mask=ok[:, None])
         plt.store(scales_ref.at[r], scales, mask=ok)
 
     codes, scales = pl.pallas_call(
-        body, out_shape=(jax.ShapeDtypeStruct((n, block), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n,), jnp.float32)),
+        body,
+        out_shape=(jax.ShapeDtypeStruct((n, block), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n,), jnp.float32)),
         grid=(pl.cdiv(n, ROWS),), compiler_params=triton_params(4, 1), interpret=triton_interpret(interpret),
         name="moe_act_codes")(blocks)
     return codes.reshape(R, C), scales.reshape(R, C // block)

@@ -233,8 +233,8 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
     dtype, each chunk (one activation scale block) quantized in registers (`quant.fp8_e4m3_row_codes`).
     fused: one split, and the kernel writes the finished rows instead of partials — [P_pad, n_out] in dt: the
     product rounded (down), or with swiglu_limit and pair_weight (fp32 [P_pad], the pair's routing weight; two
-    Linears, gate and up) h = round(swiglu(round(g), round(u)) · weight) (up). Why: at decode the split sums,
-    SwiGLU and quantizations are a dozen small XLA kernels around two GEMMs (docs/benchmarks.md)."""
+    Linears, gate and up) h = round(swiglu(round(g), round(u)) · weight) (up). Why: at decode the split sums and
+    the SwiGLU are small XLA kernels between and after the two GEMMs (docs/benchmarks.md, "The fused epilogue")."""
     T, n_in = tiles.shape[0], inp.shape[-1]
     P_pad = inp.shape[0] if row_index is None else row_index.shape[0]
     lin = lin_list[0]
@@ -328,8 +328,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     between the GEMMs go (`grouped_matmul`). Default: both kernels in the FP8 tensor-core form (H200: the splits
     gained nothing there), otherwise each kernel whose contraction would not be split anyway (prefill, larger
     batches). in_kernel_quant (FP8 form, FP8 experts): x and h quantized to e4m3 in the kernels, per chunk, instead
-    of by XLA — 7 kernels a call instead of 14 at one token, but each of the I / block_i (D / block_d) programs of a
-    tile quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off. codes_kernel:
+    of by XLA — the fewest kernels (7 at one token), but each of the I / block_i (D / block_d) programs of a tile
+    quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off. codes_kernel:
     the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
@@ -378,14 +378,13 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     if in_kernel_quant and not (fp8 and w1.fmt == w2.fmt == "fp8" and bk_up == bk_down == act_quant_block):
         raise ValueError("moe_gemm pallas: in_kernel_quant needs the FP8 tensor-core form, FP8 experts and chunks of "
                          f"one activation scale block ({act_quant_block})")
-    in_kernel = in_kernel_quant
-    if in_kernel:   # the kernels quantize each chunk (one scale block) in registers
+    if in_kernel_quant:     # the kernels quantize each chunk (one scale block) in registers
         xq, xs = x, None
     elif fp8:       # e4m3 codes and their scales: codes x scale = fp8_e4m3_sim(x), exactly
         xq, xs = as_bytes(*codes_of(x), *groups_of(w1))
     else:
         xq, xs = (quant.fp8_e4m3_sim(x, act_quant_block) if act_quant_sim else x), None
-    act = dict(act_block=act_quant_block, quantize=in_kernel)
+    act = dict(act_block=act_quant_block, quantize=in_kernel_quant)
     pw_sorted = jnp.pad(pw if one_token else pw[order], (0, block_m))
 
     if fuse_up:
@@ -397,7 +396,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
         g, u = (round_bf(sum_in_order(a, axis=0), dt) for a in (g, u))
         h = (_moe.swiglu(g, u, swiglu_limit) * pw_sorted[:, None]).astype(dt)
     hs = None
-    if fp8 and not in_kernel:
+    if fp8 and not in_kernel_quant:
         h, hs = as_bytes(*codes_of(h), *groups_of(w2))
     elif act_quant_sim and not fp8:
         h = quant.fp8_e4m3_sim(h, act_quant_block)
