@@ -207,11 +207,11 @@ def e4m3_values(codes):
 def _fp8_e4m3_blocks(x, block: int, pow2: bool):
     """(e4m3 codes [..., n/block, block], fp32 scales [..., n/block, 1]) of ``fp8_e4m3_sim``."""
     xb = _blocks(x, block)
-    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), _FP8_AMAX_FLOOR)
-    q = amax * _FP8_MAX_INV
-    s = ue8m0_ceil_scale(q) if pow2 else q
-    xs = xb / s if pow2 else _div_rn(xb, s)  # x / 2^k is exact even as XLA's x * 2^-k
-    return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
+    if pow2:
+        codes, s = fp8_e4m3_row_codes(xb)
+        return codes, s[..., None]
+    q = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), _FP8_AMAX_FLOOR) * _FP8_MAX_INV
+    return jnp.clip(_div_rn(xb, q), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), q
 
 
 @partial(jax.jit, static_argnames=("block",))
@@ -224,13 +224,14 @@ def fp8_e4m3_codes(x, block: int):
 
 
 def fp8_e4m3_row_codes(x):
-    """``fp8_e4m3_codes`` of a tile whose rows are each one scale block ([m, block], fp32), kernel-safe: no
-    reshape, and the division by the power-of-two scale as a multiply by its exact reciprocal (written in the
-    exponent field). Why: Triton kernels quantize [rows, block] tiles with it — the MoE op's activation codes
-    kernel (`moe_gemm.act_codes`) and its in-kernel option. Returns (e4m3 codes [m, block], fp32 scales [m])."""
+    """The power-of-two FP8 quantizer of ``fp8_e4m3_sim`` / ``fp8_e4m3_codes``, one scale block per row of the last
+    axis ([..., block]): (e4m3 codes [..., block], fp32 scales [...]). Kernel-safe: no reshape, and the division by
+    the power-of-two scale as a multiply by its exact reciprocal (written in the exponent field; XLA makes the same
+    rewrite). Why one definition: XLA's path and the Triton kernels (the MoE op's activation codes kernel,
+    `moe_gemm.act_codes`, and its in-kernel option) quantize with it."""
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), _FP8_AMAX_FLOOR)
     e = _ceil_log2_bits(amax * _FP8_MAX_INV, jnp)
-    xs = x * _pow2_bits(-e, jnp)[:, None]
+    xs = x * _pow2_bits(-e, jnp)[..., None]
     return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), _pow2_bits(e, jnp)
 
 

@@ -219,6 +219,12 @@ def k_splits(programs: int, chunks: int, target: int) -> int:
     return ks
 
 
+def contraction_splits(tiles: int, n_out: int, block_o: int, n_in: int, bk: int, target: int) -> int:
+    """The splits `grouped_matmul` gives a contraction of n_in in chunks of bk unless fused (`k_splits` of its
+    tiles x n_out / block_o programs): one rule for the kernel and for `moe_gemm`'s choice of what to fuse."""
+    return k_splits(tiles * (n_out // block_o), n_in // bk, target)
+
+
 def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: int, bk: int, block_m: int, dt,
                     params, interpret, target: int, fp4_asm: bool = False, inp_scale=None, act_block: int = 0,
                     fp8_dot: str = "pieces", quantize: bool = False, fused: bool = False, swiglu_limit=None,
@@ -243,7 +249,7 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
                          f"activation scale block ({act_block}), got {lin.fmt} in chunks of {bk}")
     if swiglu_limit is not None and (not fused or len(lin_list) != 2 or pair_weight is None):
         raise ValueError(f"{name}: the SwiGLU epilogue needs fused=True, gate and up, and the pair weights")
-    ks = 1 if fused else k_splits(T * (n_out // block_o), n_in // bk, target)
+    ks = 1 if fused else contraction_splits(T, n_out, block_o, n_in, bk, target)
     per = n_in // ks
     fp8 = inp_scale is not None or quantize
 
@@ -272,14 +278,12 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
                     xs_ref, src[None, :], (ks // act_block)[:, None], mask=ok[None, :])
             else:
                 xs_of = None
-                x_of = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])  # noqa: E731
+                x_of = load = lambda cols: gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None])  # noqa: E731
                 if quantize:
-                    x_of = lambda cols, k: quant.fp8_e4m3_row_codes(  # noqa: E731
-                        gather(in_ref, src[:, None], cols[None, :], mask=ok[:, None]).astype(jnp.float32))
+                    x_of = lambda cols, k: quant.fp8_e4m3_row_codes(load(cols).astype(jnp.float32))  # noqa: E731
                 elif xs_ref is not None:    # codes travel as bytes (a masked fp8 load has no typed zero in Triton)
-                    x_of = lambda cols, k: (jax.lax.bitcast_convert_type(gather(  # noqa: E731
-                        in_ref, src[:, None], cols[None, :], mask=ok[:, None]), jnp.float8_e4m3fn),
-                        gather(xs_ref, src, k // act_block, mask=ok))
+                    x_of = lambda cols, k: (jax.lax.bitcast_convert_type(load(cols), jnp.float8_e4m3fn),  # noqa: E731
+                                            gather(xs_ref, src, k // act_block, mask=ok))
             accs = _project(x_of, lin_refs, lin, e, out_rows, s * per, per // bk, bk, dt, m,
                             fp4_asm and not interpret, fp8, xs_of, fp8_dot)
             if not fused:
@@ -371,13 +375,13 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
                 functools.partial(quant.fp8_e4m3_codes, block=act_quant_block))
     T = tiles.shape[0]
     if fused is None:   # FP8 form: always (H200); otherwise each kernel whose contraction would not be split anyway
-        fuse_up = fp8 or k_splits(T * (I // block_i), D // bk_up, target_programs) == 1
-        fuse_down = fp8 or k_splits(T * (D // block_d), I // bk_down, target_programs) == 1
+        fuse_up = fp8 or contraction_splits(T, I, block_i, D, bk_up, target_programs) == 1
+        fuse_down = fp8 or contraction_splits(T, D, block_d, I, bk_down, target_programs) == 1
     else:
         fuse_up = fuse_down = fused
-    if in_kernel_quant and not (fp8 and w1.fmt == w2.fmt == "fp8" and bk_up == bk_down == act_quant_block):
-        raise ValueError("moe_gemm pallas: in_kernel_quant needs the FP8 tensor-core form, FP8 experts and chunks of "
-                         f"one activation scale block ({act_quant_block})")
+    if in_kernel_quant and not fp8:     # formats and chunk widths: `grouped_matmul` checks them
+        raise ValueError("moe_gemm pallas: in_kernel_quant needs the FP8 tensor-core form (FP8 activations and "
+                         "fp8_mma)")
     if in_kernel_quant:     # the kernels quantize each chunk (one scale block) in registers
         xq, xs = x, None
     elif fp8:       # e4m3 codes and their scales: codes x scale = fp8_e4m3_sim(x), exactly
