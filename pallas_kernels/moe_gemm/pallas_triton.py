@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plt
 from dsjax import quant
 from dsjax.kernels.common import (check_offsets, dot_nt, fp4_e4m3_chunk, fp4_words, gather, iota, offsets_fit,
                                   round_bf, triton_interpret, triton_params, weight_pieces)
+from dsjax.kernels.moe_gemm import mosaic_fp4
 from dsjax.kernels.moe_gemm.act_codes import fp8_codes
 from dsjax.kernels.moe_gemm.xla import merged_pair_weights
 from dsjax.layers import moe as _moe
@@ -317,7 +318,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              block_i: int | None = None, block_d: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
              fp4_asm: bool = True, fp8_mma: bool | None = None, fp8_dot: str = "pieces", fused: bool | None = None,
-             in_kernel_quant: bool = False, codes_kernel: bool = True):
+             in_kernel_quant: bool = False, codes_kernel: bool = True, fp4_kernel: str | None = None,
+             mosaic_block_k: int = 256, mosaic_stages: int = 3, mosaic_wait_per_linear: bool = True):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
@@ -334,9 +336,27 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     batches). in_kernel_quant (FP8 form, FP8 experts): x and h quantized to e4m3 in the kernels, per chunk, instead
     of by XLA — the fewest kernels (7 at one token), but each of the I / block_i (D / block_d) programs of a tile
     quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off. codes_kernel:
-    the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three."""
+    the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three.
+    fp4_kernel: "mosaic" — FP4 experts with FP8 activations on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 in
+    registers, one wgmma a scale block; mosaic_block_k / mosaic_stages / mosaic_wait_per_linear are its options);
+    "triton" — these kernels; default: "mosaic" where it applies, compiled on a GPU, up to `mosaic_fp4.MAX_TOKENS`
+    tokens (H200: 1.3-2.5x these kernels at 1-64 tokens, docs/benchmarks.md "FP4 experts on FP8 tensor cores")."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
+    if fp4_kernel not in (None, "triton", "mosaic"):
+        raise ValueError(f"moe_gemm pallas: fp4_kernel must be 'triton' or 'mosaic', got {fp4_kernel!r}")
+    if fp4_kernel is None:      # measured (H200): the Mosaic kernel wins at decode and verify sizes, compiled
+        fp4_kernel = ("mosaic" if interpret in (None, False) and jax.default_backend() == "gpu"
+                      and ids.shape[0] <= mosaic_fp4.MAX_TOKENS and mosaic_fp4.applies(w1, w2, act_quant_sim)
+                      else "triton")
+    if fp4_kernel == "mosaic":
+        if not mosaic_fp4.applies(w1, w2, act_quant_sim):
+            raise ValueError("moe_gemm pallas: fp4_kernel='mosaic' needs FP4 experts with 32-column scale blocks, "
+                             "FP8 activations (act_quant_sim) and 64-row / 128-column multiples")
+        return mosaic_fp4.moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=swiglu_limit,
+                                   act_quant_block=act_quant_block, block_k=mosaic_block_k, stages=mosaic_stages,
+                                   wait_per_linear=mosaic_wait_per_linear, interpret=interpret,
+                                   codes_kernel=codes_kernel)
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     fp8_mma = FP8_MMA_DEFAULT[w1.fmt] if fp8_mma is None else fp8_mma

@@ -1,0 +1,346 @@
+"""FP4 experts on FP8 tensor cores through Mosaic GPU (`plgpu.kernel`, wgmma with A in registers): the decode-sized
+expert GEMM that owns its register layout.
+
+Why (issue 8): the Triton kernels decode FP4 weights to bf16 on CUDA cores (~3.5 integer ops and one fp32 FMA a
+weight: ALU-bound at 24-31% of the copy bandwidth), and their FP8 tensor-core form lost because each 32-column
+scale block needs its own dot and layout change. Here the weight codes go to the tensor cores as they lie:
+
+- A warpgroup owns 64 weight rows (wgmma's M) of one expert; the tile's pairs are N (8). Each thread loads, per
+  row it holds (two: g and g + 8) and per 32-column scale block, one 32-bit word of 8 codes — the word its lane
+  position needs (`WORDS_LAYOUT`: lanes 4g..4g+3 read the block's 16 bytes of row g, `ldmatrix`-friendly).
+- The word becomes two registers of 4 e4m3 bytes by moving bits (`common.fp4_e4m3_words`: e2m1 s|e1 e0|m ->
+  s|0 0 e1 e0|m 0 0, the value times 2^-6, ~7 integer ops per 8 codes), which are the thread's A-fragment
+  registers of one wgmma m64n8k32 — by construction, no shuffle: the even codes fill K positions 4t..4t+3, the odd
+  ones 16+4t..16+4t+3 (`_blocks_mgpu`, `mma_columns`). The activation columns are permuted the same way outside (a dot
+  product does not care about the order of its terms), so no weight is ever re-laid out in memory.
+- One wgmma per scale block (K = 32) into its own zeroed accumulator; the block's partial [64, 8] is promoted in
+  fp32 times the weight scale (per row, x 2^6) and, per 128 columns, the activation scale (per pair).
+
+TMA streams the weight words through `stages` shared-memory slots (`plgpu.emit_pipeline`); each program's pair
+rows, their scales and its rows' weight scales are loaded once. The epilogue is the Triton kernels' fused one: h =
+round(swiglu(round(g), round(u)) · routing weight) for gate/up, y rounded for down; written per tile ([T, rows,
+pairs]), gathered back to pairs by the caller.
+
+H200 (docs/benchmarks.md, "FP4 experts on FP8 tensor cores"): 1.3x the Triton kernels at 1 token, 2.0-2.5x at 4-64,
+up to 75% of the copy bandwidth; `pallas_triton.moe_gemm` takes it by default up to `MAX_TOKENS`.
+
+In Mosaic GPU interpret mode (CPU tests) the register reinterpretation (`inline_mgpu`) and the wgmma are replaced by
+the same bytes in jnp and a dot of their values; the CUDA lowering of the real path is tested on CPU, its numbers
+on the H200.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsjax.kernels.common import check_offsets, e8m0_to_f32, fp4_e4m3_words, fp4_words, gpu_interpret, round_bf
+from dsjax.layers import moe as _moe
+
+ROWS = 64           # weight rows a program: wgmma's M
+BLOCK = 32          # FP4 scale block: one wgmma K step (32 e4m3 bytes)
+QUAD = 128          # columns of one activation scale block: four weight scale blocks, one u32 word of their scales
+
+# Thread (warp w, lane l) of the warpgroup holds words [r, 4b + l % 4] for r = 16w + l // 4 (+ 8), every block b:
+# the same rows and K quarter as its registers of wgmma's A fragment (WGMMA_LAYOUT_8BIT).
+WORDS_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROWS, 4), (16, 4), (8, 4), (1,))), warp_dims=(-7,),
+                                  lane_dims=(-3, -2), vector_dim=-1)
+
+
+def mma_columns(x):
+    """[..., K] -> the same values with each 32-column block in the kernel's K order: position 16h + 4t + i takes
+    column 8t + 2i + h (thread t's word holds columns 8t..8t+7; its even codes are K positions 4t..4t+3 of the
+    A fragment, the odd ones 16+4t..). Applied to the activations; the weights stay as stored."""
+    s = x.shape
+    return jnp.moveaxis(x.reshape(s[:-1] + (s[-1] // BLOCK, 4, 4, 2)), -1, -3).reshape(s)
+
+
+def _blocks_jnp(even, odd):
+    """Interpret mode: words [64, 4n] (even / odd e4m3 bytes) -> n e4m3 [64, 32] in `mma_columns` order."""
+    def as_bytes(w):                                # [64, 4n] -> [64, n, 16]: block b, position 4t + i
+        b = jnp.stack([(w >> (8 * i)) & 0xFF for i in range(4)], axis=-1).astype(jnp.uint8)
+        return b.reshape(w.shape[0], w.shape[1] // 4, 16)
+    e, o = as_bytes(even), as_bytes(odd)
+    return [lax.bitcast_convert_type(jnp.concatenate([e[:, b], o[:, b]], axis=1), jnp.float8_e4m3fn)
+            for b in range(e.shape[1])]
+
+
+def _blocks_mgpu(even, odd):
+    """On the GPU: the same, as registers — each thread's even / odd words of block b, for its rows g and g + 8,
+    are its A-fragment registers a0 a1 (K 4t..4t+3) and a2 a3 (K 16+4t..): a bitcast, no data movement."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import vector
+
+    n = even.shape[1] // 4
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
+
+    @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT, WORDS_LAYOUT), return_type=(out,) * n)
+    def assemble(_ctx, ev, od):
+        f8x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+        layout = mgpu.WGMMA_LAYOUT_8BIT
+        shape = layout.registers_shape((ROWS, BLOCK))        # (1, 2, 1, 1, 2, 1, 1, 1, 1): K half, row half
+        blocks = []
+        for b in range(n):
+            regs = np.empty(shape, dtype=object)
+            for half_k, src in enumerate((ev, od)):
+                for half_m in range(2):
+                    word = vector.extract(src.registers[0, b, 0, 0, half_m, 0, 0, 0, 0], dynamic_position=[],
+                                          static_position=ir.DenseI64ArrayAttr.get([0]))
+                    regs[0, half_k, 0, 0, half_m, 0, 0, 0, 0] = mgpu_utils.bitcast(word, f8x4)
+            blocks.append(mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None))
+        return tuple(blocks)
+
+    return list(assemble(even, odd))
+
+
+def _scale_column_jnp(sc_s, j: int, q):
+    return sc_s[j].reshape(ROWS, -1)[:, q]
+
+
+def _scale_column_mgpu(sc_s, j: int, q):
+    """Column q of Linear j's row scales (sc_s[j]: the 64 rows x Q words, flat as [4Q, 16]; a word holds 4 block
+    scales) as u32 [64] in the accumulator's row layout: each thread loads the words of its two rows (a strided
+    column: Mosaic's layout inference takes no swizzle-free strided view, so the two loads are written out)."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, memref, vector
+
+    row = plgpu.Layout.WGMMA.reduce(1)
+    qv = plgpu.layout_cast(jnp.full((ROWS,), q, jnp.int32), row)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), row),
+                       return_type=plgpu.ShapeDtypeStruct((ROWS,), jnp.uint32, layout=row))
+    def column(_ctx, ref, qv):
+        index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
+        c = lambda v: arith.constant(index, v)  # noqa: E731
+        first = vector.extract(qv.registers.flat[0], dynamic_position=[],
+                               static_position=ir.DenseI64ArrayAttr.get([0]))
+        col = arith.index_cast(index, first)
+        per_row = c(ir.MemRefType(ref.type).shape[1] // 4)         # Q words a row (the rows flat as [4Q, 16])
+        tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
+        base = arith.addi(arith.muli(arith.divui(tid, c(32)), c(16)), arith.divui(arith.remui(tid, c(32)), c(4)))
+        layout = mgpu.WGMMA_ROW_LAYOUT
+        regs = np.empty(layout.registers_shape((ROWS,)), dtype=object)     # (1, 1, 2, 1, 1): row half
+        for h in range(2):
+            at = arith.addi(arith.muli(arith.addi(base, c(8 * h)), per_row), col)
+            word = memref.load(ref, [c(j), arith.divui(at, c(16)), arith.remui(at, c(16))])
+            regs[0, 0, h, 0, 0] = vector.broadcast(ir.VectorType.get((1,), i32), word)
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=False)
+
+    return column(sc_s, qv)
+
+
+def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
+              stages: int = 3, wait_per_linear: bool = True, interpret=None):
+    """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores.
+
+    x_tiles:  e4m3 [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in `mma_columns` order,
+              by 32-column block.
+    x_scales: fp32 [T, K / 128, N]: their power-of-two scales per 128 columns.
+    experts:  int32 [T]: the tile's expert, -1 = an unused tile (nothing computed, its output undefined).
+    lins:     one FP4 `Linear` stack [E, n_out, K / 2] (+ ue8m0 [E, n_out, K / 32]) -> y; or two (gate, up) with
+              pair_weight fp32 [T, N] and swiglu_limit -> h.
+    wait_per_linear: wait for each Linear's wgmmas before issuing the next's; else one wait a step (H200: within
+    3% either way, 1-2% slower at 8-64 tokens).
+    Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
+    T, nkb, N, _ = x_tiles.shape
+    K = nkb * BLOCK
+    E, n_out = lins[0].weight.shape[:2]
+    two = len(lins) == 2
+    if any(l.fmt != "fp4" or l.block != BLOCK for l in lins):
+        raise ValueError(f"moe_gemm mosaic_fp4: FP4 weights with {BLOCK}-column scale blocks only, got "
+                         f"{[(l.fmt, l.block) for l in lins]}")
+    if n_out % ROWS or K % block_k or block_k % QUAD or N % 8 or N > 256:
+        raise ValueError(f"moe_gemm mosaic_fp4: n_out {n_out} must be a multiple of {ROWS}, K {K} of block_k "
+                         f"{block_k} (itself a multiple of {QUAD}), pairs {N} a multiple of 8 up to 256")
+    if two and (pair_weight is None or swiglu_limit is None):
+        raise ValueError("moe_gemm mosaic_fp4: gate/up needs pair_weight and swiglu_limit")
+    W, nb, Q = block_k // 8, block_k // BLOCK, K // QUAD
+    words = [fp4_words(l.weight) for l in lins]                     # [E, n_out, K / 8] u32: 8 codes a word
+    # ue8m0 bytes -> u32 words of 4 blocks; a program's 64 rows are contiguous: [E * n_out / 64, 4Q, 16] (rows of
+    # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
+    scales = [fp4_words(l.scale).reshape(E * n_out // ROWS, 4 * Q, 16) for l in lins]
+    exp_rows = jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))     # 16-byte TMA rows
+    pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
+    interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
+    interpreting = interp not in (None, False)
+    ROW, COL, ACC = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    n_lin = len(lins)
+
+    def body(e_ref, x_ref, xs_ref, pw_ref, *rest):
+        w_refs, s_refs = rest[:n_lin], rest[n_lin:2 * n_lin]
+        out_ref = rest[2 * n_lin]
+        e_s, x_s, xs_s, pw_s, sc_s, o_s, bars = rest[2 * n_lin + 1:]
+        t, r = lax.axis_index("t"), lax.axis_index("r")
+        rows = pl.ds(r * ROWS, ROWS)
+        plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
+        plgpu.barrier_wait(bars.at[0])
+        e = e_s[0]
+
+        @pl.when(e >= 0)
+        def _tile():
+            copies = [(x_ref.at[t], x_s), (xs_ref.at[t], xs_s), (pw_ref.at[t], pw_s)] + [
+                (s_refs[j].at[e * (n_out // ROWS) + r], sc_s.at[j]) for j in range(n_lin)]
+            for i, (src, dst) in enumerate(copies):         # a barrier each: one arrival per copy
+                plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + i])
+            for i in range(len(copies)):
+                plgpu.barrier_wait(bars.at[1 + i])
+
+            def block_dots(blocks, k):
+                """Each Linear's nb partials [64, N], fp32, of this step: one wgmma (K = 32) a block, all issued
+                before the one wait."""
+                xb = [x_s.at[k * nb + b] for b in range(nb)]
+                if interpreting:
+                    return [[jnp.dot(a.astype(jnp.float32), x[...].astype(jnp.float32).T,
+                                     preferred_element_type=jnp.float32) for a, x in zip(lin_blocks, xb)]
+                            for lin_blocks in blocks]
+
+                def dots(*accs):
+                    for i, acc in enumerate(accs):
+                        plgpu.wgmma(acc, blocks[i // nb][i % nb], xb[i % nb].transpose((1, 0)))
+                    return [acc[...] for acc in accs]
+                flat = pl.run_scoped(dots, *[plgpu.ACC((ROWS, N), jnp.float32)] * (len(blocks) * nb))
+                return [flat[j * nb:(j + 1) * nb] for j in range(len(blocks))]
+
+            def row_scales(j, q):
+                """Linear j's 4 block scales of quad q per row (x 2^6: the e4m3 offset), fp32 [64] each."""
+                words = (_scale_column_jnp if interpreting else _scale_column_mgpu)(sc_s, j, q)
+                return [e8m0_to_f32((words >> (8 * i)) & 0xFF) * 64.0 for i in range(4)]
+
+            def step(idx, *refs_and_carry):
+                (k,) = idx
+                w_s, accs = refs_and_carry[:n_lin], refs_and_carry[n_lin]
+                quads = [k * (nb // 4) + qq for qq in range(nb // 4)]
+                scales = [[row_scales(j, q) for q in quads] for j in range(n_lin)]
+                xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL), (ROWS, N), [1]) for q in quads]
+                blocks = [(_blocks_jnp if interpreting else _blocks_mgpu)(
+                    *fp4_e4m3_words(plgpu.load(w_s[j], layout=WORDS_LAYOUT))) for j in range(n_lin)]
+                if wait_per_linear:
+                    parts = [block_dots([b], k)[0] for b in blocks]
+                else:
+                    parts = block_dots(blocks, k)
+                new = []
+                for j in range(n_lin):
+                    acc = accs[j]
+                    for qq in range(nb // 4):
+                        chunk = None
+                        for i, ws in enumerate(scales[j][qq]):
+                            term = parts[j][4 * qq + i] * lax.broadcast_in_dim(ws, (ROWS, N), [0])
+                            chunk = term if chunk is None else chunk + term
+                        acc = acc + chunk * xs[qq]
+                    new.append(acc)
+                return tuple(new)
+
+            spec = plgpu.BlockSpec((None, ROWS, W), lambda k: (e, r, k),
+                                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+            zeros = tuple(plgpu.layout_cast(jnp.zeros((ROWS, N), jnp.float32), ACC) for _ in range(n_lin))
+            accs = plgpu.emit_pipeline(step, grid=(K // block_k,), in_specs=[spec] * n_lin,
+                                       max_concurrent_steps=stages, init_carry=zeros)(*w_refs)
+            if two:
+                g, u = (round_bf(a, jnp.bfloat16) for a in accs)
+                weight = lax.broadcast_in_dim(plgpu.load(pw_s, layout=COL), (ROWS, N), [1])
+                out = _moe.swiglu(g, u, swiglu_limit, divide=jnp.divide) * weight
+            else:
+                out = accs[0]
+            o_s[...] = out.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+    check_offsets("moe_gemm_mosaic_fp4", x_tiles, *words, *scales)
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16), grid=(T, n_out // ROWS),
+        grid_names=("t", "r"),
+        scratch_types=[
+            plgpu.SMEM((4,), jnp.int32),                                            # the tile's expert
+            plgpu.SMEM((nkb, N, BLOCK), jnp.float8_e4m3fn,                          # its pair rows, by block
+                       transforms=(plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))),
+            plgpu.SMEM((Q, N), jnp.float32), plgpu.SMEM((N,), jnp.float32),         # their scales; pair weights
+            plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32),                             # the rows' weight scales
+            plgpu.SMEM((ROWS, N), jnp.bfloat16),                                    # the output tile
+            plgpu.Barrier(num_barriers=4 + n_lin),
+        ],
+        interpret=interp)
+    return kernel(exp_rows, x_tiles, x_scales, pw, *words, *scales)
+
+
+PAIRS = 8           # pairs a tile: wgmma's N
+MAX_TOKENS = 64     # `fp4_kernel` default: this kernel up to this many tokens (H200: 1.3-2.5x the Triton kernels)
+
+
+def applies(w1, w2, act_quant_sim: bool) -> bool:
+    """Whether this kernel can run the op: FP4 experts with 32-column scale blocks, FP8 activations (the FP8
+    tensor-core form's numerics), whole 64-row blocks and 128-column quads."""
+    return (act_quant_sim and all(l.fmt == "fp4" and l.block == BLOCK for l in (w1, w2))
+            and all(l.weight.shape[1] % ROWS == 0 and 2 * l.weight.shape[2] % QUAD == 0 for l in (w1, w2)))
+
+
+def _tiles_of(codes, scales, slot_rows, valid):
+    """Codes [R, K] and scales [R, K / 128] of the rows each tile slot takes ([T, N], zero where not valid) ->
+    `tile_gemm`'s x_tiles [T, K / 32, N, 32] and x_scales [T, K / 128, N]."""
+    T, N = slot_rows.shape
+    K = codes.shape[1]
+    c = jnp.where(valid[..., None], codes[slot_rows], jnp.zeros((), codes.dtype))
+    s = jnp.where(valid[..., None], scales[slot_rows], 0.0)
+    return c.reshape(T, N, K // BLOCK, BLOCK).transpose(0, 2, 1, 3), s.transpose(0, 2, 1)
+
+
+def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_block: int, block_k: int = 256,
+             stages: int = 3, wait_per_linear: bool = True, interpret=None, codes_kernel: bool = True):
+    """The routed-expert op (`api.moe_gemm`'s contract, FP8 activations) with both GEMMs on `tile_gemm`: pairs
+    grouped by expert as the Triton path groups them (`pallas_triton`), tiles of up to `PAIRS` pairs. x and h are
+    quantized once (`act_codes.fp8_codes`) with their columns already in the kernel's K order (`mma_columns`
+    moves columns within 32-column blocks, so each 128-column block's amax, scale and codes are the same)."""
+    from dsjax import quant
+    from dsjax.kernels.moe_gemm.act_codes import fp8_codes
+    from dsjax.kernels.moe_gemm.pallas_triton import (COUNTED_MAP_PAIRS, counted_tile_map, picks_in_expert_order,
+                                                      single_token_tiles, tile_map)
+    from dsjax.kernels.moe_gemm.xla import merged_pair_weights
+    from dsjax.numerics import sum_in_order
+
+    if act_quant_block % QUAD:
+        raise ValueError(f"moe_gemm mosaic_fp4: activation scale blocks of {act_quant_block} columns; the kernel "
+                         f"takes one scale a {QUAD} columns")
+    n, k = ids.shape
+    E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
+    dt = x.dtype
+    in_row = picks_in_expert_order(ids)
+    ids_s = jnp.take_along_axis(ids, in_row, axis=-1).reshape(-1)
+    pw = jnp.take_along_axis(merged_pair_weights(weights, ids), in_row, axis=-1).reshape(-1)
+    key = jnp.where(pw != 0, ids_s, E)
+    P = n * k
+    if n == 1:
+        order, tiles = single_token_tiles(key, E)
+    else:
+        order, tiles = (counted_tile_map if P <= COUNTED_MAP_PAIRS else tile_map)(key, E, PAIRS)
+    T = tiles.shape[0]
+    slot = jnp.arange(PAIRS, dtype=jnp.int32)
+    pair = tiles[:, 1:2] + slot[None, :]                               # [T, N]: the sorted pair of each slot
+    valid = (tiles[:, :1] >= 0) & (pair < tiles[:, 2:3])
+    pair = jnp.where(valid, pair, 0)
+    triton_interp = None if interpret is None else bool(interpret)
+    codes_of = ((lambda a: fp8_codes(a, act_quant_block, interpret=triton_interp)) if codes_kernel else
+                (lambda a: quant.fp8_e4m3_codes(a, act_quant_block)))
+    opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, interpret=interpret)
+
+    token = jnp.zeros_like(pair) if n == 1 else order[pair] // k
+    xt, xs = _tiles_of(*codes_of(mma_columns(x)), token, valid)
+    pw_sorted = pw if n == 1 else pw[order]
+    h = tile_gemm(xt, xs, tiles[:, 0], [w1, w3], pair_weight=jnp.where(valid, pw_sorted[pair], 0.0),
+                  swiglu_limit=swiglu_limit, **opts)                   # [T, I, N]
+    h_rows = mma_columns(h.transpose(0, 2, 1).reshape(T * PAIRS, I))
+    flat = jnp.arange(T * PAIRS, dtype=jnp.int32).reshape(T, PAIRS)
+    ht, hs = _tiles_of(*codes_of(h_rows), flat, valid)
+    y = tile_gemm(ht, hs, tiles[:, 0], [w2], **opts).transpose(0, 2, 1).reshape(T * PAIRS, D)
+
+    # each pair's slot, by its original index: the one valid slot whose sorted pair it is (compares and one
+    # gather: the unsort as a scatter was a 35-µs XLA kernel at 8 tokens on the H200)
+    original = pair if n == 1 else order[pair]
+    hit = (original.reshape(-1)[None, :] == jnp.arange(P, dtype=jnp.int32)[:, None]) & valid.reshape(-1)[None, :]
+    slot_of = (hit * jnp.arange(T * PAIRS, dtype=jnp.int32)[None, :]).sum(axis=1)
+    y_pairs = jnp.where(hit.any(axis=1)[:, None], y[slot_of], jnp.zeros((), dt))      # dropped pairs: 0
+    return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)

@@ -1,0 +1,151 @@
+"""dsjax.kernels.moe_gemm's Mosaic GPU FP4 kernel (`mosaic_fp4`: FP4 codes moved to e4m3 in registers, one wgmma
+a 32-column scale block): `tile_gemm` and the whole op against the reference on fresh random inputs in Mosaic GPU
+interpret mode (the register reinterpretation replaced by the same bytes in jnp), its CUDA lowering at V4-Flash and
+V4.1-Flash shapes (which runs the `inline_mgpu` register code), and on a GPU the compiled kernel (the register
+path itself) against the reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lower_h200 import lower_for_h200
+from test_kernel_moe_gemm import LIMIT, _case
+
+from dsjax import quant
+from dsjax.kernels.common import dequant_weight
+from dsjax.kernels.moe_gemm import moe_gemm, mosaic_fp4
+from dsjax.layers import moe as _moe
+from dsjax.weights import Linear, stored_linear
+
+on_gpu = jax.default_backend() == "gpu"
+
+
+def _tile_case(seed, E=4, K=512, n_out=128, experts=(2, -1, 0)):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    lin = lambda k: stored_linear(jax.random.normal(k, (E, n_out, K), jnp.float32) * 0.05, "fp4", 32)  # noqa: E731
+    T, N = len(experts), mosaic_fp4.PAIRS
+    x = jax.random.normal(ks[2], (T, N, K), jnp.float32).astype(jnp.bfloat16)
+    codes, scales = quant.fp8_e4m3_codes(x, 128)
+    pw = jax.random.uniform(ks[3], (T, N), jnp.float32, 0.1, 1.0)
+    xt = mosaic_fp4.mma_columns(codes).reshape(T, N, K // 32, 32).transpose(0, 2, 1, 3)
+    return codes, scales, xt, scales.transpose(0, 2, 1), jnp.array(experts, jnp.int32), pw, lin(ks[0]), lin(ks[1])
+
+
+def _tile_want(codes, scales, e, w1, w3, pw_t):
+    """fp32 x · Wᵀ from the dequantized values (exact products, fp32 sums), then the kernel's roundings; and the
+    sums of the absolute products (the scale of an accumulation error)."""
+    r = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    xv = codes.astype(jnp.float32) * jnp.repeat(scales, 128, axis=-1)
+    W1, W3 = (dequant_weight(l.weight[e], l.scale[e], "fp4", 32) for l in (w1, w3))
+    g, u = (jnp.dot(xv, W.T, precision="highest") for W in (W1, W3))
+    mass = jnp.dot(jnp.abs(xv), jnp.abs(W1).T, precision="highest")
+    return r(g).T, r(_moe.swiglu(r(g), r(u), LIMIT) * pw_t[:, None]).T, mass.T
+
+
+# The FP8 tensor cores sum each wgmma's 32 products in reduced precision (DeepSeek-V3 report §3.3.2: about 14 bits
+# kept; the kernel starts every 32-column block from zero and adds the partials in fp32): bounded here by 2^-12 of
+# the absolute products' sum, beside one bf16 ulp for a rounding that lands on the other side.
+TENSOR_CORE_SUM = 2.0 ** -12
+
+
+def _ulp_bf16(a):
+    return np.exp2(np.floor(np.log2(np.maximum(np.abs(a), 1e-30))) - 7)
+
+
+@pytest.mark.parametrize("block_k,stages", [(256, 2), (512, 1)])
+def test_tile_gemm_matches_dequantized_product(test_seed, block_k, stages):
+    """Both epilogues (y; h = swiglu · routing weight) against fp32 products of the dequantized operands; an unused
+    tile (-1) between two used ones; more K steps than pipeline stages and one stage. y: within one bf16 ulp plus
+    `TENSOR_CORE_SUM` of its absolute products (interpreted: the same products in fp32, so one ulp). h (through
+    round(g), round(u), silu and the product): within 2^-6 of its largest value."""
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed)
+    interp = None if on_gpu else True
+    y = mosaic_fp4.tile_gemm(xt, xs, experts, [w1], block_k=block_k, stages=stages, interpret=interp)
+    h = mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], pair_weight=pw, swiglu_limit=LIMIT, block_k=block_k,
+                             stages=stages, interpret=interp)
+    assert y.shape == h.shape == (3, 128, mosaic_fp4.PAIRS) and y.dtype == jnp.bfloat16
+    worst = 0.0
+    for t in (0, 2):
+        want_y, want_h, mass = (np.asarray(a) for a in _tile_want(codes[t], scales[t], int(experts[t]), w1, w3,
+                                                                     pw[t]))
+        got_y, got_h = np.asarray(y[t], np.float32), np.asarray(h[t], np.float32)
+        assert np.isfinite(got_y).all() and np.isfinite(got_h).all()
+        excess = np.abs(got_y - want_y) - _ulp_bf16(np.maximum(np.abs(got_y), np.abs(want_y)))
+        worst = max(worst, float((excess / mass).max()))
+        assert (excess <= TENSOR_CORE_SUM * mass).all(), float((excess / mass).max())
+        assert np.abs(got_h - want_h).max() <= 2.0 ** -6 * np.abs(want_h).max()
+    print(f"y beyond one bf16 ulp: at most {worst:.3g} of the absolute products' sum")
+
+
+def test_mma_columns_is_a_permutation_within_32_column_blocks():
+    x = jnp.arange(2 * 96).reshape(2, 96)
+    p = np.asarray(mosaic_fp4.mma_columns(x))
+    for b in range(3):
+        assert sorted(p[0, 32 * b:32 * b + 32]) == list(range(32 * b, 32 * b + 32))
+    assert p[0, 16 + 4 * 3 + 2] == 8 * 3 + 2 * 2 + 1          # position 16h + 4t + i takes column 8t + 2i + h
+
+
+def _check_mosaic(got, want):
+    """`test_kernel_moe_gemm._check`'s bound (2^-7 of the largest output: one bf16 flip of one term, through the
+    down projection and the sum over experts) doubled: the tensor cores' 32-term sums (`TENSOR_CORE_SUM`) make
+    such flips a few times likelier, in g, u, h and y alike (H200: up to 0.76% of the largest output at 16
+    tokens of V4-Flash shapes, against 0.78% for `_check`)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"max |Δ| {err:.3g} of the largest output")
+    assert err <= 2.0 ** -6
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_op_matches_reference(test_seed, n):
+    """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8, x and h codes in the kernel's column order,
+    the slots gathered back) against the reference: duplicate experts across tokens, picks held by another shard,
+    a token with no local expert (`test_kernel_moe_gemm._case`)."""
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
+    run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                                act_quant_sim=True, act_quant_block=128, implementation=impl, **o))
+    got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic")
+    assert np.isfinite(got).all()
+    _check_mosaic(got, run("reference"))
+
+
+def test_refuses_what_it_cannot_run(test_seed):
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 1)
+    with pytest.raises(ValueError, match="FP8 activations"):
+        moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=False, act_quant_block=128,
+                 implementation="pallas", interpret=True, fp4_kernel="mosaic")
+    with pytest.raises(ValueError, match="fp4_kernel"):
+        moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
+                 implementation="pallas", interpret=True, fp4_kernel="cuda")
+
+
+@pytest.mark.parametrize("E,D,I,n", [(256, 4096, 2048, 1), (256, 4096, 2048, 8), (384, 5120, 2304, 6)])
+def test_lowers_for_h200(E, D, I, n):
+    """V4-Flash (decode, 8 tokens) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering, including the
+    `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns; one Mosaic
+    kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU)."""
+    S = jax.ShapeDtypeStruct
+    lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
+    f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0, act_quant_sim=True,  # noqa: E731
+                                            act_quant_block=128, implementation="pallas", interpret=False,
+                                            fp4_kernel="mosaic")
+    text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
+                          lin(I, D), lin(I, D), lin(D, I))
+    assert text.count("mosaic_gpu") >= 2
+
+
+@pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("n", [1, 8, 40])
+def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n):
+    """Compiled (the register path: `_blocks_mgpu`, `_scale_column_mgpu`, wgmma): the Mosaic op equals the
+    reference and the Triton FP8 form within `_check`'s bound."""
+    x, weights, ids, w1, w3, w2 = case = _case(test_seed, "fp4", n)
+    run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                                act_quant_sim=True, act_quant_block=128, implementation=impl, **o))
+    got = run("pallas", interpret=False, fp4_kernel="mosaic")
+    assert np.isfinite(got).all()
+    _check_mosaic(got, run("reference"))
+    _check_mosaic(got, run("pallas", interpret=False, fp4_kernel="triton"))
+    del case
