@@ -21,15 +21,17 @@ from dsjax.weights import Linear, stored_linear
 on_gpu = jax.default_backend() == "gpu"
 
 
-def _tile_case(seed, E=4, K=512, n_out=128, experts=(2, -1, 0)):
+def _tile_case(seed, fp8, E=4, K=512, n_out=128, experts=(2, -1, 0)):
+    """(x values or codes, their scales or ones, the kernel's x_tiles and x_scales, experts, pair weights, w1, w3)."""
     ks = jax.random.split(jax.random.key(seed), 4)
     lin = lambda k: stored_linear(jax.random.normal(k, (E, n_out, K), jnp.float32) * 0.05, "fp4", 32)  # noqa: E731
     T, N = len(experts), mosaic_fp4.PAIRS
     x = jax.random.normal(ks[2], (T, N, K), jnp.float32).astype(jnp.bfloat16)
-    codes, scales = quant.fp8_e4m3_codes(x, 128)
+    codes, scales = quant.fp8_e4m3_codes(x, 128) if fp8 else (x, jnp.ones((T, N, K // 128), jnp.float32))
     pw = jax.random.uniform(ks[3], (T, N), jnp.float32, 0.1, 1.0)
-    xt = mosaic_fp4.mma_columns(codes).reshape(T, N, K // 32, 32).transpose(0, 2, 1, 3)
-    return codes, scales, xt, scales.transpose(0, 2, 1), jnp.array(experts, jnp.int32), pw, lin(ks[0]), lin(ks[1])
+    xt = mosaic_fp4.mma_columns(codes, fp8).reshape(T, N, K // 32, 32).transpose(0, 2, 1, 3)
+    xs = scales.transpose(0, 2, 1) if fp8 else None
+    return codes, scales, xt, xs, jnp.array(experts, jnp.int32), pw, lin(ks[0]), lin(ks[1])
 
 
 def _tile_want(codes, scales, e, w1, w3, pw_t):
@@ -53,13 +55,15 @@ def _ulp_bf16(a):
     return np.exp2(np.floor(np.log2(np.maximum(np.abs(a), 1e-30))) - 7)
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "bf16"])
 @pytest.mark.parametrize("block_k,stages", [(256, 2), (512, 1)])
-def test_tile_gemm_matches_dequantized_product(test_seed, block_k, stages):
+def test_tile_gemm_matches_dequantized_product(test_seed, fp8, block_k, stages):
     """Both epilogues (y; h = swiglu · routing weight) against fp32 products of the dequantized operands; an unused
-    tile (-1) between two used ones; more K steps than pipeline stages and one stage. y: within one bf16 ulp plus
-    `TENSOR_CORE_SUM` of its absolute products (interpreted: the same products in fp32, so one ulp). h (through
-    round(g), round(u), silu and the product): within 2^-6 of its largest value."""
-    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed)
+    tile (-1) between two used ones; more K steps than pipeline stages and one stage; e4m3 codes (FP8 tensor cores)
+    and bf16 values (bf16 ones, the FP4 values' bits times 2^-126: subnormals for ±0.5). y: within one bf16 ulp
+    plus `TENSOR_CORE_SUM` of its absolute products (interpreted: the same products in fp32, so one ulp). h
+    (through round(g), round(u), silu and the product): within 2^-6 of its largest value."""
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8)
     interp = None if on_gpu else True
     y = mosaic_fp4.tile_gemm(xt, xs, experts, [w1], block_k=block_k, stages=stages, interpret=interp)
     h = mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], pair_weight=pw, swiglu_limit=LIMIT, block_k=block_k,
@@ -98,14 +102,16 @@ def _check_mosaic(got, want):
     assert err <= 2.0 ** -6
 
 
+@pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
 @pytest.mark.parametrize("n", [1, 8])
-def test_op_matches_reference(test_seed, n):
+def test_op_matches_reference(test_seed, n, act_quant_sim):
     """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8, x and h codes in the kernel's column order,
     the slots gathered back) against the reference: duplicate experts across tokens, picks held by another shard,
     a token with no local expert (`test_kernel_moe_gemm._case`)."""
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
-                                                act_quant_sim=True, act_quant_block=128, implementation=impl, **o))
+                                                act_quant_sim=act_quant_sim, act_quant_block=128,
+                                                implementation=impl, **o))
     got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic")
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
@@ -113,22 +119,26 @@ def test_op_matches_reference(test_seed, n):
 
 def test_refuses_what_it_cannot_run(test_seed):
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 1)
-    with pytest.raises(ValueError, match="FP8 activations"):
-        moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=False, act_quant_block=128,
-                 implementation="pallas", interpret=True, fp4_kernel="mosaic")
+    f8 = _case(test_seed, "fp8", 1)
+    with pytest.raises(ValueError, match="FP4 experts with 32-column scale blocks"):
+        moe_gemm(*f8, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128, implementation="pallas",
+                 interpret=True, fp4_kernel="mosaic")
     with pytest.raises(ValueError, match="fp4_kernel"):
         moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
                  implementation="pallas", interpret=True, fp4_kernel="cuda")
 
 
-@pytest.mark.parametrize("E,D,I,n", [(256, 4096, 2048, 1), (256, 4096, 2048, 8), (384, 5120, 2304, 6)])
-def test_lowers_for_h200(E, D, I, n):
+@pytest.mark.parametrize("E,D,I,n,act_quant_sim", [(256, 4096, 2048, 1, True), (256, 4096, 2048, 8, True),
+                                                   (384, 5120, 2304, 6, True), (256, 4096, 2048, 8, False),
+                                                   (384, 5120, 2304, 6, False)])
+def test_lowers_for_h200(E, D, I, n, act_quant_sim):
     """V4-Flash (decode, 8 tokens) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering, including the
     `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns; one Mosaic
     kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU)."""
     S = jax.ShapeDtypeStruct
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
-    f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0, act_quant_sim=True,  # noqa: E731
+    f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
+                                            act_quant_sim=act_quant_sim,
                                             act_quant_block=128, implementation="pallas", interpret=False,
                                             fp4_kernel="mosaic")
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
@@ -137,13 +147,15 @@ def test_lowers_for_h200(E, D, I, n):
 
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
 @pytest.mark.parametrize("n", [1, 8, 40])
-def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n):
-    """Compiled (the register path: `_blocks_mgpu`, `_scale_column_mgpu`, wgmma): the Mosaic op equals the
-    reference and the Triton FP8 form within `_check`'s bound."""
+def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, act_quant_sim):
+    """Compiled (the register path: `_blocks_mgpu` / `_bf16_blocks_mgpu`, `_scale_column_mgpu`, wgmma): the Mosaic
+    op equals the reference and the Triton kernels within `_check_mosaic`'s bound."""
     x, weights, ids, w1, w3, w2 = case = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
-                                                act_quant_sim=True, act_quant_block=128, implementation=impl, **o))
+                                                act_quant_sim=act_quant_sim, act_quant_block=128,
+                                                implementation=impl, **o))
     got = run("pallas", interpret=False, fp4_kernel="mosaic")
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))

@@ -24,6 +24,12 @@ pairs]), gathered back to pairs by the caller.
 H200 (docs/benchmarks.md, "FP4 experts on FP8 tensor cores"): 1.3x the Triton kernels at 1 token, 2.0-2.5x at 4-64,
 up to 75% of the copy bandwidth; `pallas_triton.moe_gemm` takes it by default up to `MAX_TOKENS`.
 
+bf16 activations (the `reference-bf16` numerics) take the same kernel on bf16 tensor cores: each word's nibble
+pairs (c, c + 4) become bf16 pairs by moving bits (`common.fp4_pair_bits`, the values times 2^-126, ±0.5 as bf16
+subnormals) that are the thread's WGMMA_LAYOUT A registers of column group c (`_bf16_blocks_mgpu`), two wgmmas
+(K = 16) a scale block, the 2^126 in the block scale, no activation scale. Tested interpreted and lowered on CPU;
+not yet compiled on a GPU, so it is opt-in (`fp4_kernel="mosaic"`).
+
 In Mosaic GPU interpret mode (CPU tests) the register reinterpretation (`inline_mgpu`) and the wgmma are replaced by
 the same bytes in jnp and a dot of their values; the CUDA lowering of the real path is tested on CPU, its numbers
 on the H200.
@@ -36,7 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsjax.kernels.common import check_offsets, e8m0_to_f32, fp4_e4m3_words, fp4_words, gpu_interpret, round_bf
+from dsjax.kernels.common import (check_offsets, e8m0_to_f32, fp4_code_to_f32, fp4_e4m3_words, fp4_pair_bits,
+                                  fp4_words, gpu_interpret, round_bf)
 from dsjax.layers import moe as _moe
 
 ROWS = 64           # weight rows a program: wgmma's M
@@ -49,12 +56,15 @@ WORDS_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROWS, 4), (16, 4), (8, 4), (1,)
                                   lane_dims=(-3, -2), vector_dim=-1)
 
 
-def mma_columns(x):
-    """[..., K] -> the same values with each 32-column block in the kernel's K order: position 16h + 4t + i takes
-    column 8t + 2i + h (thread t's word holds columns 8t..8t+7; its even codes are K positions 4t..4t+3 of the
-    A fragment, the odd ones 16+4t..). Applied to the activations; the weights stay as stored."""
+def mma_columns(x, fp8: bool = True):
+    """[..., K] -> the same values with each 32-column block in the kernel's K order (thread t's word holds
+    columns 8t..8t+7). fp8 (e4m3 A registers): position 16h + 4t + i takes column 8t + 2i + h — the even codes are
+    K positions 4t..4t+3 of the A fragment, the odd ones 16+4t... bf16 (bf16 pairs of nibbles p, p + 4): position
+    8c + 2t + j takes column 8t + c + 4j. Applied to the activations; the weights stay as stored."""
     s = x.shape
-    return jnp.moveaxis(x.reshape(s[:-1] + (s[-1] // BLOCK, 4, 4, 2)), -1, -3).reshape(s)
+    if fp8:
+        return jnp.moveaxis(x.reshape(s[:-1] + (s[-1] // BLOCK, 4, 4, 2)), -1, -3).reshape(s)
+    return jnp.moveaxis(x.reshape(s[:-1] + (s[-1] // BLOCK, 4, 2, 4)), -1, -3).reshape(s)
 
 
 def _blocks_jnp(even, odd):
@@ -97,6 +107,48 @@ def _blocks_mgpu(even, odd):
     return list(assemble(even, odd))
 
 
+def _bf16_blocks_jnp(words):
+    """Interpret mode, bf16 operands: words [64, 4n] -> n bf16 [64, 32] of the codes' values in `mma_columns(...,
+    fp8=False)` order (position 8c + 2t + j: nibble c + 4j of word t). The values, not the GPU's bits times 2^-126:
+    XLA:CPU flushes those subnormals (the bit recipe has its own test, `fp4_pair_bits`)."""
+    n = words.shape[1] // 4
+    vals = [fp4_code_to_f32((words >> (4 * i)) & 0xF) for i in range(8)]          # nibble i = c + 4j
+    v = jnp.stack(vals, axis=-1).reshape(ROWS, n, 4, 2, 4)                         # [r, b, t, j, c]
+    v = v.transpose(0, 1, 4, 2, 3).reshape(ROWS, n, BLOCK).astype(jnp.bfloat16)    # [r, b, c, t, j]
+    return [v[:, b] for b in range(n)]
+
+
+def _bf16_blocks_mgpu(pairs):
+    """On the GPU, bf16 operands: `fp4_pair_bits(words, c)` (c = 0..3: nibbles c, c + 4 as a bf16 pair, the
+    values times 2^-126) of block b and row half h are the thread's A registers of column group c (K 8c + 2t,
+    8c + 2t + 1) in WGMMA_LAYOUT: a bitcast, no data movement."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import vector
+
+    n = pairs[0].shape[1] // 4
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,) * 4, return_type=(out,) * n)
+    def assemble(_ctx, *pair_words):
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        layout = mgpu.WGMMA_LAYOUT
+        shape = layout.registers_shape((ROWS, BLOCK))        # (1, 4, 1, 1, 2, 1, 1, 1, 1): column group, row half
+        blocks = []
+        for b in range(n):
+            regs = np.empty(shape, dtype=object)
+            for c, src in enumerate(pair_words):
+                for half_m in range(2):
+                    word = vector.extract(src.registers[0, b, 0, 0, half_m, 0, 0, 0, 0], dynamic_position=[],
+                                          static_position=ir.DenseI64ArrayAttr.get([0]))
+                    regs[0, c, 0, 0, half_m, 0, 0, 0, 0] = mgpu_utils.bitcast(word, bf16x2)
+            blocks.append(mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None))
+        return tuple(blocks)
+
+    return list(assemble(*pairs))
+
+
 def _scale_column_jnp(sc_s, j: int, q):
     return sc_s[j].reshape(ROWS, -1)[:, q]
 
@@ -136,11 +188,11 @@ def _scale_column_mgpu(sc_s, j: int, q):
 
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
               stages: int = 3, wait_per_linear: bool = True, interpret=None):
-    """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores.
+    """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
-    x_tiles:  e4m3 [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in `mma_columns` order,
-              by 32-column block.
-    x_scales: fp32 [T, K / 128, N]: their power-of-two scales per 128 columns.
+    x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
+              `mma_columns(..., fp8)` order, by 32-column block.
+    x_scales: fp32 [T, K / 128, N]: the codes' power-of-two scales per 128 columns; None for bf16 values.
     experts:  int32 [T]: the tile's expert, -1 = an unused tile (nothing computed, its output undefined).
     lins:     one FP4 `Linear` stack [E, n_out, K / 2] (+ ue8m0 [E, n_out, K / 32]) -> y; or two (gate, up) with
               pair_weight fp32 [T, N] and swiglu_limit -> h.
@@ -149,6 +201,10 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
     T, nkb, N, _ = x_tiles.shape
     K = nkb * BLOCK
+    fp8 = x_tiles.dtype == jnp.float8_e4m3fn
+    if not fp8 and x_tiles.dtype != jnp.bfloat16 or fp8 != (x_scales is not None):
+        raise ValueError(f"moe_gemm mosaic_fp4: activations as e4m3 codes with their scales or bf16 values alone, "
+                         f"got {x_tiles.dtype} with scales {x_scales is not None}")
     E, n_out = lins[0].weight.shape[:2]
     two = len(lins) == 2
     if any(l.fmt != "fp4" or l.block != BLOCK for l in lins):
@@ -168,10 +224,15 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
     interpreting = interp not in (None, False)
+    # the operand values are the codes' times 2^-6 (e4m3) or 2^-126 (bf16 bits; the interpreter takes the values)
+    unscale = 64.0 if fp8 else 1.0 if interpreting else 2.0 ** 126
     ROW, COL, ACC = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     n_lin = len(lins)
 
-    def body(e_ref, x_ref, xs_ref, pw_ref, *rest):
+    def body(e_ref, x_ref, *rest):
+        rest = list(rest)
+        xs_ref = rest.pop(0) if fp8 else None
+        pw_ref = rest.pop(0)
         w_refs, s_refs = rest[:n_lin], rest[n_lin:2 * n_lin]
         out_ref = rest[2 * n_lin]
         e_s, x_s, xs_s, pw_s, sc_s, o_s, bars = rest[2 * n_lin + 1:]
@@ -183,7 +244,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
 
         @pl.when(e >= 0)
         def _tile():
-            copies = [(x_ref.at[t], x_s), (xs_ref.at[t], xs_s), (pw_ref.at[t], pw_s)] + [
+            copies = [(x_ref.at[t], x_s), (pw_ref.at[t], pw_s)] + ([(xs_ref.at[t], xs_s)] if fp8 else []) + [
                 (s_refs[j].at[e * (n_out // ROWS) + r], sc_s.at[j]) for j in range(n_lin)]
             for i, (src, dst) in enumerate(copies):         # a barrier each: one arrival per copy
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + i])
@@ -207,18 +268,27 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                 return [flat[j * nb:(j + 1) * nb] for j in range(len(blocks))]
 
             def row_scales(j, q):
-                """Linear j's 4 block scales of quad q per row (x 2^6: the e4m3 offset), fp32 [64] each."""
+                """Linear j's 4 block scales of quad q per row (times `unscale`), fp32 [64] each."""
                 words = (_scale_column_jnp if interpreting else _scale_column_mgpu)(sc_s, j, q)
-                return [e8m0_to_f32((words >> (8 * i)) & 0xFF) * 64.0 for i in range(4)]
+                return [e8m0_to_f32((words >> (8 * i)) & 0xFF) * unscale for i in range(4)]
+
+            def operand_blocks(w_s):
+                """A step's weight words -> nb A operands [64, 32] (e4m3 or bf16) in `mma_columns` order."""
+                words = plgpu.load(w_s, layout=WORDS_LAYOUT)
+                if fp8:
+                    return (_blocks_jnp if interpreting else _blocks_mgpu)(*fp4_e4m3_words(words))
+                if interpreting:
+                    return _bf16_blocks_jnp(words)
+                return _bf16_blocks_mgpu([fp4_pair_bits(words, c) for c in range(4)])
 
             def step(idx, *refs_and_carry):
                 (k,) = idx
                 w_s, accs = refs_and_carry[:n_lin], refs_and_carry[n_lin]
                 quads = [k * (nb // 4) + qq for qq in range(nb // 4)]
                 scales = [[row_scales(j, q) for q in quads] for j in range(n_lin)]
-                xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL), (ROWS, N), [1]) for q in quads]
-                blocks = [(_blocks_jnp if interpreting else _blocks_mgpu)(
-                    *fp4_e4m3_words(plgpu.load(w_s[j], layout=WORDS_LAYOUT))) for j in range(n_lin)]
+                xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL), (ROWS, N), [1]) if fp8 else None
+                      for q in quads]
+                blocks = [operand_blocks(w_s[j]) for j in range(n_lin)]
                 if wait_per_linear:
                     parts = [block_dots([b], k)[0] for b in blocks]
                 else:
@@ -231,7 +301,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                         for i, ws in enumerate(scales[j][qq]):
                             term = parts[j][4 * qq + i] * lax.broadcast_in_dim(ws, (ROWS, N), [0])
                             chunk = term if chunk is None else chunk + term
-                        acc = acc + chunk * xs[qq]
+                        acc = acc + (chunk * xs[qq] if fp8 else chunk)
                     new.append(acc)
                 return tuple(new)
 
@@ -252,49 +322,55 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             plgpu.wait_smem_to_gmem(0)
 
     check_offsets("moe_gemm_mosaic_fp4", x_tiles, *words, *scales)
+    row_bytes = BLOCK * x_tiles.dtype.itemsize
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16), grid=(T, n_out // ROWS),
         grid_names=("t", "r"),
         scratch_types=[
             plgpu.SMEM((4,), jnp.int32),                                            # the tile's expert
-            plgpu.SMEM((nkb, N, BLOCK), jnp.float8_e4m3fn,                          # its pair rows, by block
-                       transforms=(plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))),
-            plgpu.SMEM((Q, N), jnp.float32), plgpu.SMEM((N,), jnp.float32),         # their scales; pair weights
+            plgpu.SMEM((nkb, N, BLOCK), x_tiles.dtype,                              # its pair rows, by block
+                       transforms=(plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(row_bytes))),
+            plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),                          # their scales (e4m3 codes)
+            plgpu.SMEM((N,), jnp.float32),                                          # pair weights
             plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32),                             # the rows' weight scales
             plgpu.SMEM((ROWS, N), jnp.bfloat16),                                    # the output tile
-            plgpu.Barrier(num_barriers=4 + n_lin),
+            plgpu.Barrier(num_barriers=3 + fp8 + n_lin),
         ],
         interpret=interp)
-    return kernel(exp_rows, x_tiles, x_scales, pw, *words, *scales)
+    return kernel(exp_rows, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales)
 
 
 PAIRS = 8           # pairs a tile: wgmma's N
 MAX_TOKENS = 64     # `fp4_kernel` default: this kernel up to this many tokens (H200: 1.3-2.5x the Triton kernels)
 
 
-def applies(w1, w2, act_quant_sim: bool) -> bool:
-    """Whether this kernel can run the op: FP4 experts with 32-column scale blocks, FP8 activations (the FP8
-    tensor-core form's numerics), whole 64-row blocks and 128-column quads."""
-    return (act_quant_sim and all(l.fmt == "fp4" and l.block == BLOCK for l in (w1, w2))
+def applies(w1, w2) -> bool:
+    """Whether this kernel can run the op: FP4 experts with 32-column scale blocks, whole 64-row blocks and
+    128-column quads."""
+    return (all(l.fmt == "fp4" and l.block == BLOCK for l in (w1, w2))
             and all(l.weight.shape[1] % ROWS == 0 and 2 * l.weight.shape[2] % QUAD == 0 for l in (w1, w2)))
 
 
-def _tiles_of(codes, scales, slot_rows, valid):
-    """Codes [R, K] and scales [R, K / 128] of the rows each tile slot takes ([T, N], zero where not valid) ->
-    `tile_gemm`'s x_tiles [T, K / 32, N, 32] and x_scales [T, K / 128, N]."""
+def _tiles_of(rows, scales, slot_rows, valid):
+    """Rows [R, K] (e4m3 codes or bf16 values) and the codes' scales [R, K / 128] (or None) that each tile slot
+    takes ([T, N], zero where not valid) -> `tile_gemm`'s x_tiles [T, K / 32, N, 32] and x_scales [T, K / 128, N]."""
     T, N = slot_rows.shape
-    K = codes.shape[1]
-    c = jnp.where(valid[..., None], codes[slot_rows], jnp.zeros((), codes.dtype))
-    s = jnp.where(valid[..., None], scales[slot_rows], 0.0)
-    return c.reshape(T, N, K // BLOCK, BLOCK).transpose(0, 2, 1, 3), s.transpose(0, 2, 1)
+    K = rows.shape[1]
+    c = jnp.where(valid[..., None], rows[slot_rows], jnp.zeros((), rows.dtype))
+    tiles = c.reshape(T, N, K // BLOCK, BLOCK).transpose(0, 2, 1, 3)
+    if scales is None:
+        return tiles, None
+    return tiles, jnp.where(valid[..., None], scales[slot_rows], 0.0).transpose(0, 2, 1)
 
 
-def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_block: int, block_k: int = 256,
-             stages: int = 3, wait_per_linear: bool = True, interpret=None, codes_kernel: bool = True):
-    """The routed-expert op (`api.moe_gemm`'s contract, FP8 activations) with both GEMMs on `tile_gemm`: pairs
-    grouped by expert as the Triton path groups them (`pallas_triton`), tiles of up to `PAIRS` pairs. x and h are
-    quantized once (`act_codes.fp8_codes`) with their columns already in the kernel's K order (`mma_columns`
-    moves columns within 32-column blocks, so each 128-column block's amax, scale and codes are the same)."""
+def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
+             block_k: int = 256, stages: int = 3, wait_per_linear: bool = True, interpret=None,
+             codes_kernel: bool = True):
+    """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
+    by expert as the Triton path groups them (`pallas_triton`), tiles of up to `PAIRS` pairs. With FP8 activations
+    (act_quant_sim) x and h are quantized once (`act_codes.fp8_codes`) with their columns already in the kernel's K
+    order (`mma_columns` moves columns within 32-column blocks, so each 128-column block's amax, scale and codes
+    are the same) and the GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values."""
     from dsjax import quant
     from dsjax.kernels.moe_gemm.act_codes import fp8_codes
     from dsjax.kernels.moe_gemm.pallas_triton import (COUNTED_MAP_PAIRS, counted_tile_map, picks_in_expert_order,
@@ -302,7 +378,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_block: int,
     from dsjax.kernels.moe_gemm.xla import merged_pair_weights
     from dsjax.numerics import sum_in_order
 
-    if act_quant_block % QUAD:
+    if act_quant_sim and act_quant_block % QUAD:
         raise ValueError(f"moe_gemm mosaic_fp4: activation scale blocks of {act_quant_block} columns; the kernel "
                          f"takes one scale a {QUAD} columns")
     n, k = ids.shape
@@ -325,16 +401,17 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_block: int,
     triton_interp = None if interpret is None else bool(interpret)
     codes_of = ((lambda a: fp8_codes(a, act_quant_block, interpret=triton_interp)) if codes_kernel else
                 (lambda a: quant.fp8_e4m3_codes(a, act_quant_block)))
+    operand = (lambda a: codes_of(mma_columns(a))) if act_quant_sim else (  # noqa: E731
+        lambda a: (mma_columns(a, fp8=False), None))
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, interpret=interpret)
 
     token = jnp.zeros_like(pair) if n == 1 else order[pair] // k
-    xt, xs = _tiles_of(*codes_of(mma_columns(x)), token, valid)
+    xt, xs = _tiles_of(*operand(x), token, valid)
     pw_sorted = pw if n == 1 else pw[order]
     h = tile_gemm(xt, xs, tiles[:, 0], [w1, w3], pair_weight=jnp.where(valid, pw_sorted[pair], 0.0),
                   swiglu_limit=swiglu_limit, **opts)                   # [T, I, N]
-    h_rows = mma_columns(h.transpose(0, 2, 1).reshape(T * PAIRS, I))
     flat = jnp.arange(T * PAIRS, dtype=jnp.int32).reshape(T, PAIRS)
-    ht, hs = _tiles_of(*codes_of(h_rows), flat, valid)
+    ht, hs = _tiles_of(*operand(h.transpose(0, 2, 1).reshape(T * PAIRS, I)), flat, valid)
     y = tile_gemm(ht, hs, tiles[:, 0], [w2], **opts).transpose(0, 2, 1).reshape(T * PAIRS, D)
 
     # each pair's slot, by its original index: the one valid slot whose sorted pair it is (compares and one

@@ -346,15 +346,15 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     if fp4_kernel not in (None, "triton", "mosaic"):
         raise ValueError(f"moe_gemm pallas: fp4_kernel must be 'triton' or 'mosaic', got {fp4_kernel!r}")
     if fp4_kernel is None:      # measured (H200): the Mosaic kernel wins at decode and verify sizes, compiled
-        fp4_kernel = ("mosaic" if interpret in (None, False) and jax.default_backend() == "gpu"
-                      and ids.shape[0] <= mosaic_fp4.MAX_TOKENS and mosaic_fp4.applies(w1, w2, act_quant_sim)
-                      else "triton")
+        fp4_kernel = ("mosaic" if interpret in (None, False) and jax.default_backend() == "gpu" and act_quant_sim
+                      and ids.shape[0] <= mosaic_fp4.MAX_TOKENS and mosaic_fp4.applies(w1, w2) else "triton")
     if fp4_kernel == "mosaic":
-        if not mosaic_fp4.applies(w1, w2, act_quant_sim):
+        if not mosaic_fp4.applies(w1, w2) or x.dtype != jnp.bfloat16:
             raise ValueError("moe_gemm pallas: fp4_kernel='mosaic' needs FP4 experts with 32-column scale blocks, "
-                             "FP8 activations (act_quant_sim) and 64-row / 128-column multiples")
+                             "64-row / 128-column multiples and bf16 compute")
         return mosaic_fp4.moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=swiglu_limit,
-                                   act_quant_block=act_quant_block, block_k=mosaic_block_k, stages=mosaic_stages,
+                                   act_quant_sim=act_quant_sim, act_quant_block=act_quant_block,
+                                   block_k=mosaic_block_k, stages=mosaic_stages,
                                    wait_per_linear=mosaic_wait_per_linear, interpret=interpret,
                                    codes_kernel=codes_kernel)
     n, k = ids.shape
