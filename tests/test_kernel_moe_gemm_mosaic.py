@@ -150,7 +150,7 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim):
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
 @pytest.mark.parametrize("n", [1, 8, 40])
 def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, act_quant_sim):
-    """Compiled (the register path: `_blocks_mgpu` / `_bf16_blocks_mgpu`, `_scale_column_mgpu`, wgmma): the Mosaic
+    """Compiled (the register path: `_register_blocks`, `_scale_column_mgpu`, wgmma): the Mosaic
     op equals the reference and the Triton kernels within `_check_mosaic`'s bound."""
     x, weights, ids, w1, w3, w2 = case = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731

@@ -11,8 +11,8 @@ scale block needs its own dot and layout change. Here the weight codes go to the
 - The word becomes two registers of 4 e4m3 bytes by moving bits (`common.fp4_e4m3_words`: e2m1 s|e1 e0|m ->
   s|0 0 e1 e0|m 0 0, the value times 2^-6, ~7 integer ops per 8 codes), which are the thread's A-fragment
   registers of one wgmma m64n8k32 — by construction, no shuffle: the even codes fill K positions 4t..4t+3, the odd
-  ones 16+4t..16+4t+3 (`_blocks_mgpu`, `mma_columns`). The activation columns are permuted the same way outside (a dot
-  product does not care about the order of its terms), so no weight is ever re-laid out in memory.
+  ones 16+4t..16+4t+3 (`_register_blocks`, `mma_columns`). The activation columns are permuted the same way
+  outside (a dot product does not care about the order of its terms), so no weight is ever re-laid out in memory.
 - One wgmma per scale block (K = 32) into its own zeroed accumulator; the block's partial [64, 8] is promoted in
   fp32 times the weight scale (per row, x 2^6) and, per 128 columns, the activation scale (per pair).
 
@@ -26,7 +26,7 @@ up to 75% of the copy bandwidth; `pallas_triton.moe_gemm` takes it by default up
 
 bf16 activations (the `reference-bf16` numerics) take the same kernel on bf16 tensor cores: each word's nibble
 pairs (c, c + 4) become bf16 pairs by moving bits (`common.fp4_pair_bits`, the values times 2^-126, ±0.5 as bf16
-subnormals) that are the thread's WGMMA_LAYOUT A registers of column group c (`_bf16_blocks_mgpu`), two wgmmas
+subnormals) that are the thread's WGMMA_LAYOUT A registers of column group c (`_register_blocks`), two wgmmas
 (K = 16) a scale block, the 2^126 in the block scale, no activation scale. Tested interpreted and lowered on CPU;
 not yet compiled on a GPU, so it is opt-in (`fp4_kernel="mosaic"`).
 
@@ -77,34 +77,38 @@ def _blocks_jnp(even, odd):
             for b in range(e.shape[1])]
 
 
-def _blocks_mgpu(even, odd):
-    """On the GPU: the same, as registers — each thread's even / odd words of block b, for its rows g and g + 8,
-    are its A-fragment registers a0 a1 (K 4t..4t+3) and a2 a3 (K 16+4t..): a bitcast, no data movement."""
+def _register_blocks(sources, fp8: bool):
+    """On the GPU: words [64, 4n] in `WORDS_LAYOUT` (one array per A column group: e4m3 even / odd bytes, or the
+    four bf16 nibble pairs) -> n A operands [64, 32] in the wgmma layout of their type. Each thread's word of block
+    b and row half h is its register of column group g (K 16g + 4t.. for e4m3, 8g + 2t.. for bf16): a bitcast, no
+    data movement (`inline_mgpu`, since Pallas has no shape-changing register bitcast)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import vector
 
-    n = even.shape[1] // 4
-    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.float8_e4m3fn, layout=plgpu.Layout.WGMMA_8BIT)
+    n = sources[0].shape[1] // 4
+    dtype, layout, pallas_layout, lanes, elt = (
+        (jnp.float8_e4m3fn, mgpu.WGMMA_LAYOUT_8BIT, plgpu.Layout.WGMMA_8BIT, 4, ir.Float8E4M3FNType) if fp8 else
+        (jnp.bfloat16, mgpu.WGMMA_LAYOUT, plgpu.Layout.WGMMA, 2, ir.BF16Type))
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), dtype, layout=pallas_layout)
 
-    @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT, WORDS_LAYOUT), return_type=(out,) * n)
-    def assemble(_ctx, ev, od):
-        f8x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
-        layout = mgpu.WGMMA_LAYOUT_8BIT
-        shape = layout.registers_shape((ROWS, BLOCK))        # (1, 2, 1, 1, 2, 1, 1, 1, 1): K half, row half
+    @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,) * len(sources), return_type=(out,) * n)
+    def assemble(_ctx, *words):
+        reg_type = ir.VectorType.get((lanes,), elt.get())
+        shape = layout.registers_shape((ROWS, BLOCK))        # (1, groups, 1, 1, 2, 1, 1, 1, 1): group, row half
         blocks = []
         for b in range(n):
             regs = np.empty(shape, dtype=object)
-            for half_k, src in enumerate((ev, od)):
+            for group, src in enumerate(words):
                 for half_m in range(2):
                     word = vector.extract(src.registers[0, b, 0, 0, half_m, 0, 0, 0, 0], dynamic_position=[],
                                           static_position=ir.DenseI64ArrayAttr.get([0]))
-                    regs[0, half_k, 0, 0, half_m, 0, 0, 0, 0] = mgpu_utils.bitcast(word, f8x4)
+                    regs[0, group, 0, 0, half_m, 0, 0, 0, 0] = mgpu_utils.bitcast(word, reg_type)
             blocks.append(mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None))
         return tuple(blocks)
 
-    return list(assemble(even, odd))
+    return list(assemble(*sources))
 
 
 def _bf16_blocks_jnp(words):
@@ -116,37 +120,6 @@ def _bf16_blocks_jnp(words):
     v = jnp.stack(vals, axis=-1).reshape(ROWS, n, 4, 2, 4)                         # [r, b, t, j, c]
     v = v.transpose(0, 1, 4, 2, 3).reshape(ROWS, n, BLOCK).astype(jnp.bfloat16)    # [r, b, c, t, j]
     return [v[:, b] for b in range(n)]
-
-
-def _bf16_blocks_mgpu(pairs):
-    """On the GPU, bf16 operands: `fp4_pair_bits(words, c)` (c = 0..3: nibbles c, c + 4 as a bf16 pair, the
-    values times 2^-126) of block b and row half h are the thread's A registers of column group c (K 8c + 2t,
-    8c + 2t + 1) in WGMMA_LAYOUT: a bitcast, no data movement."""
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import vector
-
-    n = pairs[0].shape[1] // 4
-    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,) * 4, return_type=(out,) * n)
-    def assemble(_ctx, *pair_words):
-        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        layout = mgpu.WGMMA_LAYOUT
-        shape = layout.registers_shape((ROWS, BLOCK))        # (1, 4, 1, 1, 2, 1, 1, 1, 1): column group, row half
-        blocks = []
-        for b in range(n):
-            regs = np.empty(shape, dtype=object)
-            for c, src in enumerate(pair_words):
-                for half_m in range(2):
-                    word = vector.extract(src.registers[0, b, 0, 0, half_m, 0, 0, 0, 0], dynamic_position=[],
-                                          static_position=ir.DenseI64ArrayAttr.get([0]))
-                    regs[0, c, 0, 0, half_m, 0, 0, 0, 0] = mgpu_utils.bitcast(word, bf16x2)
-            blocks.append(mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None))
-        return tuple(blocks)
-
-    return list(assemble(*pairs))
 
 
 def _scale_column_jnp(sc_s, j: int, q):
@@ -244,7 +217,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
 
         @pl.when(e >= 0)
         def _tile():
-            copies = [(x_ref.at[t], x_s), (pw_ref.at[t], pw_s)] + ([(xs_ref.at[t], xs_s)] if fp8 else []) + [
+            copies = [(x_ref.at[t], x_s)] + ([(xs_ref.at[t], xs_s)] if fp8 else []) + [(pw_ref.at[t], pw_s)] + [
                 (s_refs[j].at[e * (n_out // ROWS) + r], sc_s.at[j]) for j in range(n_lin)]
             for i, (src, dst) in enumerate(copies):         # a barrier each: one arrival per copy
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + i])
@@ -275,11 +248,10 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             def operand_blocks(w_s):
                 """A step's weight words -> nb A operands [64, 32] (e4m3 or bf16) in `mma_columns` order."""
                 words = plgpu.load(w_s, layout=WORDS_LAYOUT)
-                if fp8:
-                    return (_blocks_jnp if interpreting else _blocks_mgpu)(*fp4_e4m3_words(words))
                 if interpreting:
-                    return _bf16_blocks_jnp(words)
-                return _bf16_blocks_mgpu([fp4_pair_bits(words, c) for c in range(4)])
+                    return _blocks_jnp(*fp4_e4m3_words(words)) if fp8 else _bf16_blocks_jnp(words)
+                return _register_blocks(fp4_e4m3_words(words) if fp8 else [fp4_pair_bits(words, c) for c in range(4)],
+                                        fp8)
 
             def step(idx, *refs_and_carry):
                 (k,) = idx
