@@ -346,6 +346,12 @@ def test_kernels_bench_times_extra_moe_configs(tmp_path, capsys):
     mine = [r for r in recs if r.get("options") == {"block_m": 2, "block_k": 128}]
     assert len(mine) == 1 and "error" not in mine[0] and mine[0]["us"] > 0, recs
     assert mine[0]["rel_diff_vs_first_config"] <= 2.0 ** -7, mine
+    assert {r.get("activations") for r in recs if r.get("op") == "moe_gemm"} == {"fp8"}
+    out_bf16 = tmp_path / "b.jsonl"                     # bf16 activations: the reference-bf16 numerics' kernels
+    assert kernels.main(["--ops", "moe", "--smoke", "--moe-formats", "bf16", "--moe-tokens", "1",
+                         "--moe-activations", "bf16", "--out", str(out_bf16)]) == 0
+    recs = [json.loads(line) for line in out_bf16.read_text().splitlines()][1:]
+    assert recs and all(r["activations"] == "bf16" and "error" not in r for r in recs if r.get("op") == "moe_gemm")
     for bad, says in (('{"block_m": 2}', "list of objects"), ('[{"block_q": 2}]', "block_q"), ("[{", "not JSON")):
         with pytest.raises(SystemExit) as exc:
             kernels.main(["--ops", "moe", "--smoke", "--moe-configs", bad])

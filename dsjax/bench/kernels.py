@@ -375,7 +375,8 @@ def moe_bytes(lins, n_distinct: int) -> int:
     return per * n_distinct
 
 
-def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"), only_tokens=None, extra=()):
+def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"), only_tokens=None, extra=(),
+              activations: str = "fp8"):
     E, D, I, k = moe_shapes(smoke)
     configs = [{}]
     if sweep:
@@ -393,8 +394,9 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             x, w, ids = moe_routing(n, E, D, k)
             args = (x, w, ids, *lins)
             nbytes = moe_bytes(lins, len(np.unique(np.asarray(ids)))) + x.nbytes * 3
-            run = lambda impl, **o: jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=True,
-                                                              act_quant_block=128, implementation=impl, **o))
+            run = lambda impl, **o: jax.jit(functools.partial(  # noqa: E731
+                moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=activations == "fp8", act_quant_block=128,
+                implementation=impl, **o))
             flops = 2 * n * k * 3 * D * I
             prefill_configs = [{}] + [dict(block_m=bm, block_i=bo, block_d=bo, num_warps=w, num_stages=st)
                                       for bm, bo, w, st in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
@@ -407,7 +409,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             # `FP8_MMA_DEFAULT` picks per format)
             previous = [dict(fp8_mma=not moe_gemm_kernel.FP8_MMA_DEFAULT[fmt])] if fmt in ("fp4", "fp8") else []
             looped = n <= 64                                             # decode: device time, not dispatch
-            side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, flops=flops,
+            side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, activations=activations, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
                          chosen + previous + list(extra), timer=time_us_looped if looped else time_us)
         del lins
@@ -504,6 +506,9 @@ def main(argv=None) -> int:
     p.add_argument("--moe-tokens", default=[], type=token_counts,
                    help="MoE token counts to time, comma-separated (default: 1,2,4,8,256,1024,2048 for FP4 experts, "
                         "1,8 for the others); up to 64 tokens are timed in a device loop, more by dispatches")
+    p.add_argument("--moe-activations", default="fp8", choices=("fp8", "bf16"),
+                   help="MoE activations: fp8 (x and h fake-quantized per 128 columns, the reference-fp8 numerics; "
+                        "the FP8 tensor-core kernels) or bf16 (the reference-bf16 numerics)")
     p.add_argument("--moe-configs", default="[]", type=moe_option_list,
                    help='extra MoE kernel options to time beside the defaults, a JSON list of objects, e.g. '
                         '\'[{"block_m": 1, "num_warps": 8}, {"block_k": 256}]\' (keys: moe_gemm\'s Pallas options)')
@@ -536,7 +541,7 @@ def main(argv=None) -> int:
 
     emit(head)
     moe = functools.partial(bench_moe, fmts=tuple(args.moe_formats.split(",")),
-                            only_tokens=args.moe_tokens, extra=args.moe_configs)
+                            only_tokens=args.moe_tokens, extra=args.moe_configs, activations=args.moe_activations)
     bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc,
              "linear": bench_linear, "head": bench_head}
     for op in args.ops.split(","):

@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="[{}]", type=moe_option_list,
                    help="JSON list of Pallas kernel options (moe_gemm keywords), one profile each")
     p.add_argument("--implementation", default="pallas", choices=("pallas", "xla"))
+    p.add_argument("--activations", default="fp8", choices=("fp8", "bf16"),
+                   help="fp8: x and h fake-quantized (reference-fp8 numerics, the FP8 tensor-core kernels); bf16")
     p.add_argument("--reps", type=int, default=20, help="calls traced per configuration")
     p.add_argument("--top", type=int, default=12, help="kernels printed per configuration")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (a CPU check)")
@@ -59,7 +61,8 @@ def main(argv=None) -> int:
         x, w, ids = moe_routing(n, E, D, k)
         for cfg in configs:
             extra = dict(interpret=True) if args.smoke and args.implementation == "pallas" else {}
-            fn = jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=True,
+            fn = jax.jit(functools.partial(moe_gemm.moe_gemm, swiglu_limit=10.0,
+                                           act_quant_sim=args.activations == "fp8",
                                            act_quant_block=128, implementation=args.implementation, **cfg, **extra))
             times, where = kernel_times(fn, (x, w, ids, *lins), args.reps, args.dump)
             total = sum(times.values())
