@@ -345,9 +345,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     are the same) and the GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values."""
     from dsjax import quant
     from dsjax.kernels.moe_gemm.act_codes import fp8_codes
-    from dsjax.kernels.moe_gemm.pallas_triton import (COUNTED_MAP_PAIRS, counted_tile_map, picks_in_expert_order,
-                                                      single_token_tiles, tile_map)
-    from dsjax.kernels.moe_gemm.xla import merged_pair_weights
+    from dsjax.kernels.moe_gemm.pallas_triton import expert_pairs
     from dsjax.numerics import sum_in_order
 
     if act_quant_sim and act_quant_block % QUAD:
@@ -356,15 +354,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     dt = x.dtype
-    in_row = picks_in_expert_order(ids)
-    ids_s = jnp.take_along_axis(ids, in_row, axis=-1).reshape(-1)
-    pw = jnp.take_along_axis(merged_pair_weights(weights, ids), in_row, axis=-1).reshape(-1)
-    key = jnp.where(pw != 0, ids_s, E)
+    _, pw, order, tiles = expert_pairs(weights, ids, E, PAIRS)
     P = n * k
-    if n == 1:
-        order, tiles = single_token_tiles(key, E)
-    else:
-        order, tiles = (counted_tile_map if P <= COUNTED_MAP_PAIRS else tile_map)(key, E, PAIRS)
     T = tiles.shape[0]
     slot = jnp.arange(PAIRS, dtype=jnp.int32)
     pair = tiles[:, 1:2] + slot[None, :]                               # [T, N]: the sorted pair of each slot

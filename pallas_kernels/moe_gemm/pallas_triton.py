@@ -96,6 +96,24 @@ def picks_in_expert_order(ids):
     return (jnp.where(place[..., None, :] == j[:, None], j[None, :], 0)).sum(axis=-1, dtype=jnp.int32)
 
 
+def expert_pairs(weights, ids, n_experts: int, block_m: int):
+    """Routing [n, k] -> the (token, pick) pairs the grouped GEMMs run: each token's picks in ascending expert
+    order (the reference's summation order) with repeats merged, as (expert key [P] (n_experts = dropped: weight 0,
+    a pick of another shard), pair weight [P], order [P] (sorted place -> pair), tiles [T, 3] of at most block_m
+    pairs of one expert). One token's pairs are tiles in place (`single_token_tiles`); up to `COUNTED_MAP_PAIRS`
+    pairs the map counts, beyond it sorts. Both expert kernels (Triton, `mosaic_fp4`) group pairs by it."""
+    in_row = picks_in_expert_order(ids)
+    ids_s = jnp.take_along_axis(ids, in_row, axis=-1).reshape(-1)
+    pw = jnp.take_along_axis(merged_pair_weights(weights, ids), in_row, axis=-1).reshape(-1)
+    key = jnp.where(pw != 0, ids_s, n_experts)
+    if ids.shape[0] == 1:
+        order, tiles = single_token_tiles(key, n_experts)
+    else:
+        order, tiles = (counted_tile_map if key.shape[0] <= COUNTED_MAP_PAIRS else tile_map)(key, n_experts,
+                                                                                            block_m)
+    return key, pw, order, tiles
+
+
 # The FP8 tensor-core form by default, per expert format (H200, 2026-12-03, docs/benchmarks.md): FP8 experts gain
 # 1.2-1.3x at 1-8 tokens; FP4 experts lose (the per-scale-block dots cost more than the decode saves).
 FP8_MMA_DEFAULT = {"fp8": True, "fp4": False, "bf16": False, "f32": False}
@@ -337,10 +355,11 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     of by XLA — the fewest kernels (7 at one token), but each of the I / block_i (D / block_d) programs of a tile
     quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off. codes_kernel:
     the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three.
-    fp4_kernel: "mosaic" — FP4 experts with FP8 activations on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 in
-    registers, one wgmma a scale block; mosaic_block_k / mosaic_stages / mosaic_wait_per_linear are its options);
-    "triton" — these kernels; default: "mosaic" where it applies, compiled on a GPU, up to `mosaic_fp4.MAX_TOKENS`
-    tokens (H200: 1.3-2.5x these kernels at 1-64 tokens, docs/benchmarks.md "FP4 experts on FP8 tensor cores")."""
+    fp4_kernel: "mosaic" — FP4 experts on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 — or, with bf16
+    activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
+    mosaic_wait_per_linear are its options); "triton" — these kernels; default: "mosaic" for FP8 activations where
+    it applies, compiled on a GPU, up to `mosaic_fp4.MAX_TOKENS` tokens (H200: 1.3-2.5x these kernels at 1-64
+    tokens, docs/benchmarks.md "FP4 experts on FP8 tensor cores"; the bf16 form is not yet measured)."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     if fp4_kernel not in (None, "triton", "mosaic"):
@@ -374,17 +393,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     common = dict(block_m=block_m, dt=dt, params=triton_params(num_warps, num_stages),
                   interpret=triton_interpret(interpret), target=target_programs, fp4_asm=fp4_asm, fp8_dot=fp8_dot)
 
-    # Pairs: picks sorted by expert within each token (the reference's summation order), repeats merged.
-    in_row = picks_in_expert_order(ids)
-    ids_s = jnp.take_along_axis(ids, in_row, axis=-1).reshape(-1)
-    pw = jnp.take_along_axis(merged_pair_weights(weights, ids), in_row, axis=-1).reshape(-1)
-    key = jnp.where(pw != 0, ids_s, E)
+    key, pw, order, tiles = expert_pairs(weights, ids, E, block_m)
     one_token = n == 1                              # pairs in place: no permutation to make or undo
     P = n * k
-    if one_token:
-        order, tiles = single_token_tiles(key, E)
-    else:
-        order, tiles = (counted_tile_map if P <= COUNTED_MAP_PAIRS else tile_map)(key, E, block_m)
     # one token: every pair reads x row 0 (a constant, no kernel)
     tok = jnp.asarray(np.zeros(P + block_m, np.int32)) if one_token else jnp.pad((order // k).astype(jnp.int32),
                                                                                    (0, block_m))
