@@ -27,8 +27,9 @@ up to 75% of the copy bandwidth; `pallas_triton.moe_gemm` takes it by default up
 bf16 activations (the `reference-bf16` numerics) take the same kernel on bf16 tensor cores: each word's nibble
 pairs (c, c + 4) become bf16 pairs by moving bits (`common.fp4_pair_bits`, the values times 2^-126, ±0.5 as bf16
 subnormals) that are the thread's WGMMA_LAYOUT A registers of column group c (`_register_blocks`), two wgmmas
-(K = 16) a scale block, the 2^126 in the block scale, no activation scale. Tested interpreted and lowered on CPU;
-not yet compiled on a GPU, so it is opt-in (`fp4_kernel="mosaic"`).
+(K = 16) a scale block, the 2^126 in the block scale, no activation scale. The tensor cores keep the subnormal
+inputs (compiled on the H200 against the reference and the Triton kernels); 1.07x the Triton kernels at 1 token,
+1.4x at 8, 1.66x at 64 (the conversion to bf16 pairs and twice the wgmmas cost more than the e4m3 form's).
 
 In Mosaic GPU interpret mode (CPU tests) the register reinterpretation (`inline_mgpu`) and the wgmma are replaced by
 the same bytes in jnp and a dot of their values; the CUDA lowering of the real path is tested on CPU, its numbers

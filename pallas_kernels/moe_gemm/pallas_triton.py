@@ -357,15 +357,15 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three.
     fp4_kernel: "mosaic" — FP4 experts on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 — or, with bf16
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
-    mosaic_wait_per_linear are its options); "triton" — these kernels; default: "mosaic" for FP8 activations where
-    it applies, compiled on a GPU, up to `mosaic_fp4.MAX_TOKENS` tokens (H200: 1.3-2.5x these kernels at 1-64
-    tokens, docs/benchmarks.md "FP4 experts on FP8 tensor cores"; the bf16 form is not yet measured)."""
+    mosaic_wait_per_linear are its options); "triton" — these kernels; default: "mosaic" where it applies, compiled on
+    a GPU, up to `mosaic_fp4.MAX_TOKENS` tokens (H200, docs/benchmarks.md "FP4 experts on FP8 tensor cores": FP8
+    activations 1.3-2.6x these kernels at 1-64 tokens, bf16 activations 1.07-1.66x)."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     if fp4_kernel not in (None, "triton", "mosaic"):
         raise ValueError(f"moe_gemm pallas: fp4_kernel must be 'triton' or 'mosaic', got {fp4_kernel!r}")
     if fp4_kernel is None:      # measured (H200): the Mosaic kernel wins at decode and verify sizes, compiled
-        fp4_kernel = ("mosaic" if interpret in (None, False) and jax.default_backend() == "gpu" and act_quant_sim
+        fp4_kernel = ("mosaic" if interpret in (None, False) and jax.default_backend() == "gpu"
                       and ids.shape[0] <= mosaic_fp4.MAX_TOKENS and mosaic_fp4.applies(w1, w2) else "triton")
     if fp4_kernel == "mosaic":
         if not mosaic_fp4.applies(w1, w2) or x.dtype != jnp.bfloat16:
