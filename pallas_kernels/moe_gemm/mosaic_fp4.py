@@ -22,7 +22,7 @@ round(swiglu(round(g), round(u)) · routing weight) for gate/up, y rounded for d
 pairs]), gathered back to pairs by the caller.
 
 H200 (docs/benchmarks.md, "FP4 experts on FP8 tensor cores"): 1.3x the Triton kernels at 1 token, 2.0-2.5x at 4-64,
-up to 75% of the copy bandwidth; `pallas_triton.moe_gemm` takes it by default up to `MAX_TOKENS`.
+up to 75% of the copy bandwidth; `pallas_triton.moe_gemm` takes it (either form) by default up to `MAX_TOKENS`.
 
 bf16 activations (the `reference-bf16` numerics) take the same kernel on bf16 tensor cores: each word's nibble
 pairs (c, c + 4) become bf16 pairs by moving bits (`common.fp4_pair_bits`, the values times 2^-126, ±0.5 as bf16
