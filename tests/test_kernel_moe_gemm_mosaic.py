@@ -56,18 +56,19 @@ def _ulp_bf16(a):
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "bf16"])
-@pytest.mark.parametrize("block_k,stages", [(256, 2), (512, 1)])
-def test_tile_gemm_matches_dequantized_product(test_seed, fp8, block_k, stages):
+@pytest.mark.parametrize("block_k,stages,k_splits", [(256, 2, 1), (512, 1, 1), (256, 1, 2)])
+def test_tile_gemm_matches_dequantized_product(test_seed, fp8, block_k, stages, k_splits):
     """Both epilogues (y; h = swiglu · routing weight) against fp32 products of the dequantized operands; an unused
-    tile (-1) between two used ones; more K steps than pipeline stages and one stage; e4m3 codes (FP8 tensor cores)
+    tile (-1) between two used ones; more K steps than pipeline stages and one stage; K split over two programs (their
+    fp32 partials added before the epilogue: the same bounds); e4m3 codes (FP8 tensor cores)
     and bf16 values (bf16 ones, the FP4 values' bits times 2^-126: subnormals for ±0.5). y: within one bf16 ulp
     plus `TENSOR_CORE_SUM` of its absolute products (interpreted: the same products in fp32, so one ulp). h
     (through round(g), round(u), silu and the product): within 2^-6 of its largest value."""
     codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8)
     interp = None if on_gpu else True
-    y = mosaic_fp4.tile_gemm(xt, xs, experts, [w1], block_k=block_k, stages=stages, interpret=interp)
-    h = mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], pair_weight=pw, swiglu_limit=LIMIT, block_k=block_k,
-                             stages=stages, interpret=interp)
+    opts = dict(block_k=block_k, stages=stages, k_splits=k_splits, interpret=interp)
+    y = mosaic_fp4.tile_gemm(xt, xs, experts, [w1], **opts)
+    h = mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], pair_weight=pw, swiglu_limit=LIMIT, **opts)
     assert y.shape == h.shape == (3, 128, mosaic_fp4.PAIRS) and y.dtype == jnp.bfloat16
     worst = 0.0
     for t in (0, 2):
@@ -103,16 +104,16 @@ def _check_mosaic(got, want):
 
 
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n", [1, 8])
-def test_op_matches_reference(test_seed, n, act_quant_sim):
+@pytest.mark.parametrize("n,k_splits", [(1, 1), (8, 1), (1, 2)])
+def test_op_matches_reference(test_seed, n, k_splits, act_quant_sim):
     """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8, x and h codes in the kernel's column order,
-    the slots gathered back) against the reference: duplicate experts across tokens, picks held by another shard,
-    a token with no local expert (`test_kernel_moe_gemm._case`)."""
+    the slots gathered back; K split over two programs where asked) against the reference: duplicate experts across
+    tokens, picks held by another shard, a token with no local expert (`test_kernel_moe_gemm._case`)."""
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
-    got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic")
+    got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic", mosaic_k_splits=k_splits)
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
 
@@ -123,24 +124,27 @@ def test_refuses_what_it_cannot_run(test_seed):
     with pytest.raises(ValueError, match="FP4 experts with 32-column scale blocks"):
         moe_gemm(*f8, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128, implementation="pallas",
                  interpret=True, fp4_kernel="mosaic")
+    codes, scales, xt, xs, experts, pw, w1_, _ = _tile_case(test_seed, True)
+    with pytest.raises(ValueError, match="k_splits 3 must divide"):
+        mosaic_fp4.tile_gemm(xt, xs, experts, [w1_], k_splits=3, interpret=True)
     with pytest.raises(ValueError, match="fp4_kernel"):
         moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
                  implementation="pallas", interpret=True, fp4_kernel="cuda")
 
 
-@pytest.mark.parametrize("E,D,I,n,act_quant_sim", [(256, 4096, 2048, 1, True), (256, 4096, 2048, 8, True),
-                                                   (384, 5120, 2304, 6, True), (256, 4096, 2048, 8, False),
-                                                   (384, 5120, 2304, 6, False)])
-def test_lowers_for_h200(E, D, I, n, act_quant_sim):
+@pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits", [
+    (256, 4096, 2048, 1, True, 1), (256, 4096, 2048, 8, True, 1), (384, 5120, 2304, 6, True, 1),
+    (256, 4096, 2048, 8, False, 1), (384, 5120, 2304, 6, False, 1), (256, 4096, 2048, 1, False, 2)])
+def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits):
     """V4-Flash (decode, 8 tokens) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering, including the
     `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns; one Mosaic
-    kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU)."""
+    kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU); and K split over two programs."""
     S = jax.ShapeDtypeStruct
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
     f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
                                             act_quant_sim=act_quant_sim,
                                             act_quant_block=128, implementation="pallas", interpret=False,
-                                            fp4_kernel="mosaic")
+                                            fp4_kernel="mosaic", mosaic_k_splits=k_splits)
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2

@@ -36,6 +36,8 @@ the same bytes in jnp and a dot of their values; the CUDA lowering of the real p
 on the H200.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,8 +162,17 @@ def _scale_column_mgpu(sc_s, j: int, q):
     return column(sc_s, qv)
 
 
+def epilogue(accs, weight, swiglu_limit):
+    """fp32 sums of one Linear (y) or two (gate, up) -> bf16: y rounded, or h = round(swiglu(round(g), round(u)) ·
+    weight) — the Triton kernels' fused epilogue; in the kernel, or after `tile_gemm`'s K splits are added."""
+    if len(accs) == 1:
+        return accs[0].astype(jnp.bfloat16)
+    g, u = (round_bf(a, jnp.bfloat16) for a in accs)
+    return (_moe.swiglu(g, u, swiglu_limit, divide=jnp.divide) * weight).astype(jnp.bfloat16)
+
+
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
-              stages: int = 3, wait_per_linear: bool = True, interpret=None):
+              stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -172,6 +183,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
               pair_weight fp32 [T, N] and swiglu_limit -> h.
     wait_per_linear: wait for each Linear's wgmmas before issuing the next's; else one wait a step (H200: within
     3% either way, 1-2% slower at 8-64 tokens).
+    k_splits: programs a 64-row block, each over K / k_splits columns (more programs in flight when few tiles
+    run, e.g. one decode token's 6); their fp32 partials are added in order, then `epilogue`.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
     T, nkb, N, _ = x_tiles.shape
     K = nkb * BLOCK
@@ -184,12 +197,17 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     if any(l.fmt != "fp4" or l.block != BLOCK for l in lins):
         raise ValueError(f"moe_gemm mosaic_fp4: FP4 weights with {BLOCK}-column scale blocks only, got "
                          f"{[(l.fmt, l.block) for l in lins]}")
-    if n_out % ROWS or K % block_k or block_k % QUAD or N % 8 or N > 256:
+    if n_out % ROWS or K % block_k or block_k % (2 * QUAD) or N % 8 or N > 256:
         raise ValueError(f"moe_gemm mosaic_fp4: n_out {n_out} must be a multiple of {ROWS}, K {K} of block_k "
-                         f"{block_k} (itself a multiple of {QUAD}), pairs {N} a multiple of 8 up to 256")
+                         f"{block_k} (itself a multiple of {2 * QUAD}: 128-byte rows of words), pairs {N} a "
+                         f"multiple of 8 up to 256")
+    if k_splits < 1 or (K // block_k) % k_splits:
+        raise ValueError(f"moe_gemm mosaic_fp4: k_splits {k_splits} must divide the {K // block_k} steps of "
+                         f"{block_k} columns")
     if two and (pair_weight is None or swiglu_limit is None):
         raise ValueError("moe_gemm mosaic_fp4: gate/up needs pair_weight and swiglu_limit")
     W, nb, Q = block_k // 8, block_k // BLOCK, K // QUAD
+    steps = K // block_k // k_splits                                # pipeline steps a program
     words = [fp4_words(l.weight) for l in lins]                     # [E, n_out, K / 8] u32: 8 codes a word
     # ue8m0 bytes -> u32 words of 4 blocks; a program's 64 rows are contiguous: [E * n_out / 64, 4Q, 16] (rows of
     # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
@@ -210,7 +228,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         w_refs, s_refs = rest[:n_lin], rest[n_lin:2 * n_lin]
         out_ref = rest[2 * n_lin]
         e_s, x_s, xs_s, pw_s, sc_s, o_s, bars = rest[2 * n_lin + 1:]
-        t, r = lax.axis_index("t"), lax.axis_index("r")
+        t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
         rows = pl.ds(r * ROWS, ROWS)
         plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
@@ -255,7 +273,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                                         fp8)
 
             def step(idx, *refs_and_carry):
-                (k,) = idx
+                k = idx[0] + split * steps                 # the step's place in all of K
                 w_s, accs = refs_and_carry[:n_lin], refs_and_carry[n_lin]
                 quads = [k * (nb // 4) + qq for qq in range(nb // 4)]
                 scales = [[row_scales(j, q) for q in quads] for j in range(n_lin)]
@@ -278,27 +296,31 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                     new.append(acc)
                 return tuple(new)
 
-            spec = plgpu.BlockSpec((None, ROWS, W), lambda k: (e, r, k),
+            spec = plgpu.BlockSpec((None, ROWS, W), lambda k: (e, r, split * steps + k),
                                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
             zeros = tuple(plgpu.layout_cast(jnp.zeros((ROWS, N), jnp.float32), ACC) for _ in range(n_lin))
-            accs = plgpu.emit_pipeline(step, grid=(K // block_k,), in_specs=[spec] * n_lin,
+            accs = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec] * n_lin,
                                        max_concurrent_steps=stages, init_carry=zeros)(*w_refs)
-            if two:
-                g, u = (round_bf(a, jnp.bfloat16) for a in accs)
-                weight = lax.broadcast_in_dim(plgpu.load(pw_s, layout=COL), (ROWS, N), [1])
-                out = _moe.swiglu(g, u, swiglu_limit, divide=jnp.divide) * weight
+            if k_splits > 1:                                # partial sums out; the caller adds them
+                for j in range(n_lin):
+                    o_s[j] = accs[j]
+                plgpu.commit_smem()
+                for j in range(n_lin):
+                    plgpu.copy_smem_to_gmem(o_s.at[j], out_ref.at[j, split, t, rows])
             else:
-                out = accs[0]
-            o_s[...] = out.astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
+                weight = lax.broadcast_in_dim(plgpu.load(pw_s, layout=COL), (ROWS, N), [1]) if two else None
+                o_s[...] = epilogue(accs, weight, swiglu_limit)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
             plgpu.wait_smem_to_gmem(0)
 
     check_offsets("moe_gemm_mosaic_fp4", x_tiles, *words, *scales)
     row_bytes = BLOCK * x_tiles.dtype.itemsize
+    split_out = k_splits > 1
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16), grid=(T, n_out // ROWS),
-        grid_names=("t", "r"),
+        body, out_type=(jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32) if split_out else
+                        jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16)),
+        grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
         scratch_types=[
             plgpu.SMEM((4,), jnp.int32),                                            # the tile's expert
             plgpu.SMEM((nkb, N, BLOCK), x_tiles.dtype,                              # its pair rows, by block
@@ -306,11 +328,16 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),                          # their scales (e4m3 codes)
             plgpu.SMEM((N,), jnp.float32),                                          # pair weights
             plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32),                             # the rows' weight scales
-            plgpu.SMEM((ROWS, N), jnp.bfloat16),                                    # the output tile
+            (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else            # the output tile: partials
+             plgpu.SMEM((ROWS, N), jnp.bfloat16)),                                  # or the epilogue's
             plgpu.Barrier(num_barriers=3 + fp8 + n_lin),
         ],
         interpret=interp)
-    return kernel(exp_rows, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales)
+    out = kernel(exp_rows, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales)
+    if not split_out:
+        return out
+    sums = [functools.reduce(jnp.add, [out[j, i] for i in range(k_splits)]) for j in range(n_lin)]
+    return epilogue(sums, pw[:, None, :] if two else None, swiglu_limit)
 
 
 PAIRS = 8           # pairs a tile: wgmma's N
@@ -337,13 +364,14 @@ def _tiles_of(rows, scales, slot_rows, valid):
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
-             block_k: int = 256, stages: int = 3, wait_per_linear: bool = True, interpret=None,
+             block_k: int = 256, stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, interpret=None,
              codes_kernel: bool = True):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `PAIRS` pairs. With FP8 activations
     (act_quant_sim) x and h are quantized once (`act_codes.fp8_codes`) with their columns already in the kernel's K
     order (`mma_columns` moves columns within 32-column blocks, so each 128-column block's amax, scale and codes
-    are the same) and the GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values."""
+    are the same) and the GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values. k_splits:
+    `tile_gemm`'s, for each GEMM whose K steps it divides (else 1)."""
     from dsjax import quant
     from dsjax.kernels.moe_gemm.act_codes import fp8_codes
     from dsjax.kernels.moe_gemm.pallas_triton import expert_pairs
@@ -368,15 +396,16 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     operand = (lambda a: codes_of(mma_columns(a))) if act_quant_sim else (  # noqa: E731
         lambda a: (mma_columns(a, fp8=False), None))
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, interpret=interpret)
+    splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
 
     token = jnp.zeros_like(pair) if n == 1 else order[pair] // k
     xt, xs = _tiles_of(*operand(x), token, valid)
     pw_sorted = pw if n == 1 else pw[order]
     h = tile_gemm(xt, xs, tiles[:, 0], [w1, w3], pair_weight=jnp.where(valid, pw_sorted[pair], 0.0),
-                  swiglu_limit=swiglu_limit, **opts)                   # [T, I, N]
+                  swiglu_limit=swiglu_limit, k_splits=splits(D), **opts)             # [T, I, N]
     flat = jnp.arange(T * PAIRS, dtype=jnp.int32).reshape(T, PAIRS)
     ht, hs = _tiles_of(*operand(h.transpose(0, 2, 1).reshape(T * PAIRS, I)), flat, valid)
-    y = tile_gemm(ht, hs, tiles[:, 0], [w2], **opts).transpose(0, 2, 1).reshape(T * PAIRS, D)
+    y = tile_gemm(ht, hs, tiles[:, 0], [w2], k_splits=splits(I), **opts).transpose(0, 2, 1).reshape(T * PAIRS, D)
 
     # each pair's slot, by its original index: the one valid slot whose sorted pair it is (compares and one
     # gather: the unsort as a scatter was a 35-µs XLA kernel at 8 tokens on the H200)

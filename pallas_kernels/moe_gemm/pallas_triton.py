@@ -337,7 +337,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
              fp4_asm: bool = True, fp8_mma: bool | None = None, fp8_dot: str = "pieces", fused: bool | None = None,
              in_kernel_quant: bool = False, codes_kernel: bool = True, fp4_kernel: str | None = None,
-             mosaic_block_k: int = 256, mosaic_stages: int = 3, mosaic_wait_per_linear: bool = True):
+             mosaic_block_k: int = 256, mosaic_stages: int = 3, mosaic_wait_per_linear: bool = True,
+             mosaic_k_splits: int = 1):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
@@ -357,9 +358,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three.
     fp4_kernel: "mosaic" — FP4 experts on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 — or, with bf16
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
-    mosaic_wait_per_linear are its options); "triton" — these kernels; default: "mosaic" where it applies, compiled on
-    a GPU, up to `mosaic_fp4.MAX_TOKENS` tokens (H200, docs/benchmarks.md "FP4 experts on FP8 tensor cores": FP8
-    activations 1.3-2.6x these kernels at 1-64 tokens, bf16 activations 1.07-1.66x)."""
+    mosaic_wait_per_linear / mosaic_k_splits are its options); "triton" — these kernels; default: "mosaic" where
+    it applies, compiled on a GPU, up to `mosaic_fp4.MAX_TOKENS` tokens (H200, docs/benchmarks.md "FP4 experts on
+    FP8 tensor cores": FP8 activations 1.3-2.6x these kernels at 1-64 tokens, bf16 activations 1.07-1.66x)."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     if fp4_kernel not in (None, "triton", "mosaic"):
@@ -374,7 +375,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
         return mosaic_fp4.moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=swiglu_limit,
                                    act_quant_sim=act_quant_sim, act_quant_block=act_quant_block,
                                    block_k=mosaic_block_k, stages=mosaic_stages,
-                                   wait_per_linear=mosaic_wait_per_linear, interpret=interpret,
+                                   wait_per_linear=mosaic_wait_per_linear, k_splits=mosaic_k_splits,
+                                   interpret=interpret,
                                    codes_kernel=codes_kernel)
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
