@@ -35,6 +35,7 @@ from dsjax.bench.report import run_info
 from dsjax.bench.roofline import torch_roofline
 from dsjax.kernels import chunk_attention, indexer_topk, mhc_sinkhorn, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
+from dsjax.kernels.moe_gemm import mosaic_fp4
 from dsjax.kernels.moe_gemm import pallas_triton as moe_gemm_kernel
 from dsjax.layers.lm_head import lm_head
 from dsjax.weights import stored_linear
@@ -405,9 +406,11 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             chosen = (configs + gemv if sweep and n <= 8 and fmt == "fp4" else
                       [{}] + gemv if sweep and n <= 8 else
                       prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
-            # beside the defaults: the other operand form (FP8 activations: FP8 tensor cores or bf16 operands,
-            # `FP8_MMA_DEFAULT` picks per format)
-            previous = [dict(fp8_mma=not moe_gemm_kernel.FP8_MMA_DEFAULT[fmt])] if fmt in ("fp4", "fp8") else []
+            # beside the defaults: the path they replaced — FP4 experts at decode sizes, the Triton kernels (the
+            # Mosaic kernel is the default on a GPU); otherwise the other operand form (FP8 activations: FP8 tensor
+            # cores or bf16 operands, `FP8_MMA_DEFAULT` picks per format)
+            previous = ([dict(fp4_kernel="triton")] if fmt == "fp4" and n <= mosaic_fp4.MAX_TOKENS else
+                        [dict(fp8_mma=not moe_gemm_kernel.FP8_MMA_DEFAULT[fmt])] if fmt in ("fp4", "fp8") else [])
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, activations=activations, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
