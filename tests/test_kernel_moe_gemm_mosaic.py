@@ -132,6 +132,27 @@ def test_refuses_what_it_cannot_run(test_seed):
                  implementation="pallas", interpret=True, fp4_kernel="cuda")
 
 
+def test_default_takes_it_only_where_its_shapes_apply(test_seed):
+    """`fp4_kernel`'s default: compiled on a GPU at decode and verify sizes, where every contraction is whole
+    256-column steps. The tiny model's 128-wide experts are not (on the H200 its MoE layer failed at trace time
+    before `applies` asked): they keep the Triton kernels, as do prefill batches and interpret mode."""
+    from dsjax.kernels.moe_gemm.pallas_triton import default_fp4_kernel
+
+    _, _, _, w1, _, w2 = _case(test_seed, "fp4", 1)
+    assert w1.weight.shape[2] * 2 % 256 == 0 and w2.weight.shape[2] * 2 % 256 == 0
+    assert default_fp4_kernel(8, w1, w2, 256, compiled_on_gpu=True) == "mosaic"
+    assert default_fp4_kernel(mosaic_fp4.MAX_TOKENS + 1, w1, w2, 256, compiled_on_gpu=True) == "triton"
+    assert default_fp4_kernel(8, w1, w2, 256, compiled_on_gpu=False) == "triton"
+    import dsjax
+
+    cfg = dsjax.preset("tiny-v4")
+    ffn = dsjax.load("tiny-v4", max_seq_len=16, max_batch=1).params.layers[cfg.n_hash_layers].ffn
+    tw1, tw2 = ffn.w1, ffn.w2
+    assert tw1.fmt == "fp4" and tw1.weight.shape[2] * 2 == cfg.dim == 128
+    assert not mosaic_fp4.applies(tw1, tw2, 256)
+    assert default_fp4_kernel(8, tw1, tw2, 256, compiled_on_gpu=True) == "triton"
+
+
 @pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits", [
     (256, 4096, 2048, 1, True, 1), (256, 4096, 2048, 8, True, 1), (384, 5120, 2304, 6, True, 1),
     (256, 4096, 2048, 8, False, 1), (384, 5120, 2304, 6, False, 1), (256, 4096, 2048, 1, False, 2)])

@@ -332,6 +332,14 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
                           interpret=interpret, name=name)(tiles, *index, *inputs, *stored)
 
 
+def default_fp4_kernel(n_tokens: int, w1, w2, block_k: int, *, compiled_on_gpu: bool) -> str:
+    """`fp4_kernel`'s default. Measured (H200, docs/benchmarks.md): the Mosaic kernel wins at decode and verify
+    sizes, compiled, where its shapes apply; the Triton kernels take the rest (prefill, interpret mode, tiny
+    models)."""
+    return ("mosaic" if compiled_on_gpu and n_tokens <= mosaic_fp4.MAX_TOKENS
+            and mosaic_fp4.applies(w1, w2, block_k) else "triton")
+
+
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
              block_i: int | None = None, block_d: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
@@ -365,13 +373,14 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     if fp4_kernel not in (None, "triton", "mosaic"):
         raise ValueError(f"moe_gemm pallas: fp4_kernel must be 'triton' or 'mosaic', got {fp4_kernel!r}")
-    if fp4_kernel is None:      # measured (H200): the Mosaic kernel wins at decode and verify sizes, compiled
-        fp4_kernel = ("mosaic" if interpret in (None, False) and jax.default_backend() == "gpu"
-                      and ids.shape[0] <= mosaic_fp4.MAX_TOKENS and mosaic_fp4.applies(w1, w2) else "triton")
+    if fp4_kernel is None:
+        fp4_kernel = default_fp4_kernel(ids.shape[0], w1, w2, mosaic_block_k,
+                                        compiled_on_gpu=interpret in (None, False) and jax.default_backend() == "gpu")
     if fp4_kernel == "mosaic":
-        if not mosaic_fp4.applies(w1, w2) or x.dtype != jnp.bfloat16:
-            raise ValueError("moe_gemm pallas: fp4_kernel='mosaic' needs FP4 experts with 32-column scale blocks, "
-                             "64-row / 128-column multiples and bf16 compute")
+        if not mosaic_fp4.applies(w1, w2, mosaic_block_k) or x.dtype != jnp.bfloat16:
+            raise ValueError(f"moe_gemm pallas: fp4_kernel='mosaic' needs FP4 experts with 32-column scale blocks, "
+                             f"64-row multiples, contractions in whole steps of {mosaic_block_k} columns and bf16 "
+                             f"compute")
         return mosaic_fp4.moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=swiglu_limit,
                                    act_quant_sim=act_quant_sim, act_quant_block=act_quant_block,
                                    block_k=mosaic_block_k, stages=mosaic_stages,
