@@ -16,20 +16,22 @@ scale block needs its own dot and layout change. Here the weight codes go to the
 - One wgmma per scale block (K = 32) into its own zeroed accumulator; the block's partial [64, 8] is promoted in
   fp32 times the weight scale (per row, x 2^6) and, per 128 columns, the activation scale (per pair).
 
-TMA streams the weight words through `stages` shared-memory slots (`plgpu.emit_pipeline`); each program's pair
-rows, their scales and its rows' weight scales are loaded once. The epilogue is the Triton kernels' fused one: h =
-round(swiglu(round(g), round(u)) · routing weight) for gate/up, y rounded for down; written per tile ([T, rows,
-pairs]), gathered back to pairs by the caller.
+TMA streams the weight words and the tile's pair rows, a step's columns at a time, through `stages` shared-memory
+slots (`plgpu.emit_pipeline`; the pair rows loaded whole were the largest buffer, 64 KB in bf16 at K = 4096); their
+scales, the pair weights and the rows' weight scales are loaded once, waited for in the first step. The epilogue
+is the Triton kernels' fused one: h = round(swiglu(round(g), round(u)) · routing weight) for gate/up, y rounded for
+down; written per tile ([T, rows, pairs]), gathered back to pairs by the caller.
 
-H200 (docs/benchmarks.md, "FP4 experts on FP8 tensor cores"): 1.3x the Triton kernels at 1 token, 2.0-2.5x at 4-64,
-up to 75% of the copy bandwidth; `pallas_triton.moe_gemm` takes it (either form) by default up to `MAX_TOKENS`.
+H200 (docs/benchmarks.md, "FP4 experts on FP8 tensor cores", "Pair rows streamed"): 1.4x the Triton kernels at 1
+token, 2.2-2.9x at 4-64, up to 83% of the copy bandwidth; `pallas_triton.moe_gemm` takes it (either form) by
+default up to `MAX_TOKENS`.
 
 bf16 activations (the `reference-bf16` numerics) take the same kernel on bf16 tensor cores: each word's nibble
 pairs (c, c + 4) become bf16 pairs by moving bits (`common.fp4_pair_bits`, the values times 2^-126, ±0.5 as bf16
 subnormals) that are the thread's WGMMA_LAYOUT A registers of column group c (`_register_blocks`), two wgmmas
 (K = 16) a scale block, the 2^126 in the block scale, no activation scale. The tensor cores keep the subnormal
-inputs (compiled on the H200 against the reference and the Triton kernels); 1.07x the Triton kernels at 1 token,
-1.4x at 8, 1.66x at 64 (the conversion to bf16 pairs and twice the wgmmas cost more than the e4m3 form's).
+inputs (compiled on the H200 against the reference and the Triton kernels); 1.30x the Triton kernels at 1 token,
+1.85x at 8, 2.2x at 64 (the conversion to bf16 pairs and twice the wgmmas cost more than the e4m3 form's).
 
 In Mosaic GPU interpret mode (CPU tests) the register reinterpretation (`inline_mgpu`) and the wgmma are replaced by
 the same bytes in jnp and a dot of their values; the CUDA lowering of the real path is tested on CPU, its numbers
