@@ -21,23 +21,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from interpret_races import INTERPRET, races_found  # noqa: E402
 from test_kernel_chunk_attention import _case, _run  # noqa: E402
 
-# (hca, compact rows, stages, chunk length, exchange buffers): 64-key tiles (wgmma's K group for P·V); one stage
-# over a 100-token chunk makes programs walk more key blocks than there are stages, so the producer refills freed
-# slots; two partial-score buffers fit on the GPU beside one stage only
-CASES = [(True, False, 2, 24, 1), (False, True, 1, 24, 2), (True, True, 1, 100, 2), (False, False, 1, 100, 1)]
+# (hca, compact rows, stages, chunk length, exchange buffers, next tile's Q·Kᵀ overlapped, heads): 64-key tiles
+# (wgmma's K group for P·V); programs that walk more key blocks than there are stages make the producer refill
+# freed slots (one stage over 100 tokens x 4 heads: up to 2 blocks a program; two stages over 200 tokens x 1 head:
+# 3); two partial-score buffers fit on the GPU beside one stage only
+CASES = [(True, False, 2, 24, 1, False, 4), (False, True, 1, 24, 2, False, 4), (True, True, 1, 100, 2, False, 4),
+         (False, False, 1, 100, 1, False, 4), (True, True, 2, 200, 1, True, 1)]
 
 
 def main(seed: int) -> list[dict]:
     out = []
     interpret = None if jax.default_backend() == "gpu" else INTERPRET    # on the H200: compiled for sm_90a
-    for hca, compact, stages, T, buffers in CASES:
-        case = _case(seed + 7, 4, compact, T=T, picks=not hca)
+    for hca, compact, stages, T, buffers, overlap, H in CASES:
+        case = _case(seed + 7, H, compact, T=T, picks=not hca)
         t0 = time.perf_counter()
         got = np.asarray(_run(case, hca, "pallas", backend="mosaic", stages=stages, exchange_buffers=buffers,
-                              interpret=interpret), np.float32)
+                              overlap_qk=overlap, interpret=interpret), np.float32)
         races = races_found() if interpret else False
         want = np.asarray(_run(case, hca, "reference"), np.float32)
-        name = f"{'hca' if hca else 'csa'}-{'fp8rows' if compact else 'bf16'}-st{stages}-T{T}-x{buffers}"
+        name = (f"{'hca' if hca else 'csa'}-{'fp8rows' if compact else 'bf16'}-st{stages}-T{T}-x{buffers}"
+                f"{'-overlap' if overlap else ''}-H{H}")
         out.append(dict(case=name,
                         max_abs=float(np.abs(got - want).max()), scale=float(np.abs(want).max()),
                         finite=bool(np.isfinite(got).all()), races=races, seconds=time.perf_counter() - t0))

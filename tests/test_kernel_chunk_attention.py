@@ -113,13 +113,15 @@ def test_block_ranges_cover_exactly_the_visible_blocks(test_seed):
     print(f"start {int(start[0])}: blocks per program {sorted(set((kb1 - kb0)[0].tolist()))}")
 
 
-@pytest.mark.parametrize("backend", ["triton", "mosaic", "mosaic-x2"])
+@pytest.mark.parametrize("backend", ["triton", "mosaic", "mosaic-x2", "mosaic-overlap"])
 @pytest.mark.parametrize("picks", [False, True], ids=["window+hca", "window+csa-picks"])
 def test_pallas_lowers_for_h200(picks, backend):
     """V4 shapes (64 heads x 512, 584-byte FP8 rows, a 1,024-token chunk at 64k context) lower to Triton, and
     through Mosaic GPU (wgmma operands, ~220 KB of shared memory, three warpgroups; x2: two partial-score
-    buffers beside one key stage — with two stages they pass the 232,448 bytes there are)."""
-    opts = dict(backend="mosaic", exchange_buffers=2, stages=1) if backend == "mosaic-x2" else dict(backend=backend)
+    buffers beside one key stage — with two stages they pass the 232,448 bytes there are; overlap: the next tile's
+    Q·Kᵀ in flight through this one's softmax)."""
+    opts = {"mosaic-x2": dict(backend="mosaic", exchange_buffers=2, stages=1),
+            "mosaic-overlap": dict(backend="mosaic", overlap_qk=True)}.get(backend, dict(backend=backend))
     from dsjax.kernels.chunk_attention import Segment
     fmt = MainRowFormat()
     B, T, H, N = 1, 1024, 64, 512

@@ -237,9 +237,10 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
     # the Triton kernel and the Mosaic GPU (wgmma) one; the smoke run skips the latter (its interpret mode needs
     # ≥ 3 XLA:CPU threads: tests/chunk_mosaic_worker.py)
     # (one partial-score buffer taken in turns, and two: one rendezvous a key tile instead of two, beside one
-    # stage of keys only)
+    # stage of keys only; and the next tile's Q·Kᵀ in flight through this one's exchange and softmax)
     configs = [{}] + ([] if smoke else [dict(backend="mosaic"),
-                                         dict(backend="mosaic", stages=1, exchange_buffers=2)])
+                                         dict(backend="mosaic", stages=1, exchange_buffers=2),
+                                         dict(backend="mosaic", overlap_qk=True)])
     if sweep:
         configs += [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st) for bq, bk, w, st in (
             (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3),

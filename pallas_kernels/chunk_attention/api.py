@@ -73,8 +73,8 @@ def chunk_attention(q, q_pos, sink, segments, picks=None, *, scale: float,
     implementation: "reference" (tests), "xla" (dense masked partials per segment), "pallas" (a flash kernel
     visiting only the visible key blocks). kernel_options go to the Pallas kernel only: backend "triton" (default;
     block_q, block_k, num_warps, num_stages, interpret — the HLO interpreter off-GPU) or "mosaic" (Mosaic GPU,
-    wgmma with the head dimension split over two warpgroups; block_k, stages, exchange_buffers, interpret — Mosaic
-    GPU interpret mode off-GPU).
+    wgmma with the head dimension split over two warpgroups; block_k, stages, exchange_buffers, overlap_qk,
+    interpret — Mosaic GPU interpret mode off-GPU).
     """
     from dsjax.kernels.chunk_attention import pallas_gpu, pallas_triton, reference, xla
     impl = check_implementation(implementation)

@@ -17,6 +17,10 @@ the output; with CSA picks it writes m, l and acc / l rounded to the compute dty
 a [64, 512] fp32 tile beside the key stages: one extra rounding of 2^-9 relative), which `rows.merge_picks`
 combines with the picks' partials.
 
+With `overlap_qk` (opt-in until timed on a GPU) each warpgroup issues the next key tile's Q·Kᵀ before it
+exchanges and softmaxes this one, and that wgmma retires with P·V's wait: FlashAttention-3's intra-warpgroup
+overlap, here also hiding the rendezvous, where both warpgroups otherwise leave the tensor cores idle together.
+
 In Mosaic GPU interpret mode (CPU tests) P·V is a dot of the loaded values: the interpreter has no `pl.run_state`,
 which the wgmma-into-a-register-accumulator form needs on the GPU; the lowering itself is tested for CUDA.
 """
@@ -85,11 +89,14 @@ def step_table(ranges):
 
 
 def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format, block_k: int = 64,
-                    stages: int = 2, exchange_buffers: int = 1, interpret=None):
+                    stages: int = 2, exchange_buffers: int = 1, overlap_qk: bool = False, interpret=None):
     """`exchange_buffers`: 1 — the two warpgroups take one partial-score buffer in turns (two rendezvous a key
     tile); 2 — each writes its own buffer, one rendezvous, and a warpgroup waits only before overwriting its buffer
     until the other has read it (its QK of the next tile usually covers that). Two buffers take 16 KB more shared
-    memory: they fit beside one stage of 64-key tiles only (two stages need 236,672 B, the H200 has 232,448)."""
+    memory: they fit beside one stage of 64-key tiles only (two stages need 236,672 B, the H200 has 232,448).
+    `overlap_qk`: issue the next key tile's Q·Kᵀ before this tile's exchange and softmax (FlashAttention-3's
+    intra-warpgroup overlap; one more [64, block_k] fp32 accumulator a thread); needs ≥ 2 stages (the next tile
+    must be in another slot while this one is read)."""
     B, T, H, d = q.shape
     dt = q.dtype
     if d % (COMPUTE_WGS * 64):
@@ -101,6 +108,8 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
         raise ValueError(f"stages {stages} must be ≥ 1")
     if exchange_buffers not in (1, 2):
         raise ValueError(f"exchange_buffers {exchange_buffers} must be 1 or 2")
+    if overlap_qk and stages < 2:
+        raise ValueError(f"overlap_qk needs ≥ 2 stages (the next key tile in its own slot), got {stages}")
     double = exchange_buffers == 2
     dh = d // COMPUTE_WGS
     cr = chunk_rows(q, q_pos, sink, segments, row_format, ROWS, block_k)
@@ -168,16 +177,11 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             shape = (ROWS, block_k)
             row_pos = lax.broadcast_in_dim(pos, shape, [0])
 
-            def tile(i, carry):
-                acc, m, l = carry
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(k_bars.at[slot * COMPUTE_WGS + wg])
-                plgpu.barrier_wait(lohi_bars.at[slot])
+            def qk_into(acc_ref, slot):
+                plgpu.wgmma(acc_ref, q_s.at[wg], k_s.at[slot, wg].transpose((1, 0)))
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_s.at[wg], k_s.at[slot, wg].transpose((1, 0)))
-                    return acc_ref[...]
-                part = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+            def exchange(i, part):
+                """The other warpgroup's partial scores of this tile, through shared memory."""
                 if double:
                     # my buffer is free once the other warpgroup has read the previous tile's partial from it
                     pl.when(i > 0)(lambda: plgpu.barrier_wait(read_bars.at[wg]))
@@ -185,16 +189,20 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                     rendezvous()
                     other = plgpu.load(x_s.at[1 - wg], layout=TILE)
                     plgpu.barrier_arrive(read_bars.at[1 - wg])
-                else:
-                    # One exchange buffer: warpgroup 0 writes its partial, 1 reads it and writes its own, 0 reads
-                    # that; each takes zeros at the other's turn.
-                    x0 = x_s.at[0]
-                    pl.when(wg == 0)(lambda: x0.__setitem__(Ellipsis, part))
-                    rendezvous()
-                    other = _load_if(wg == 1, x0, shape, TILE)      # warpgroup 1: the partial of 0
-                    pl.when(wg == 1)(lambda: x0.__setitem__(Ellipsis, part))
-                    rendezvous()
-                    other = other + _load_if(wg == 0, x0, shape, TILE)   # warpgroup 0: the partial of 1 (x + 0 = x)
+                    return other
+                # One exchange buffer: warpgroup 0 writes its partial, 1 reads it and writes its own, 0 reads
+                # that; each takes zeros at the other's turn.
+                x0 = x_s.at[0]
+                pl.when(wg == 0)(lambda: x0.__setitem__(Ellipsis, part))
+                rendezvous()
+                other = _load_if(wg == 1, x0, shape, TILE)      # warpgroup 1: the partial of 0
+                pl.when(wg == 1)(lambda: x0.__setitem__(Ellipsis, part))
+                rendezvous()
+                return other + _load_if(wg == 0, x0, shape, TILE)   # warpgroup 0: the partial of 1 (x + 0 = x)
+
+            def finish(slot, part, other, acc, m, l):
+                """Scores -> online softmax -> acc += P·V_half; the key slot handed back to the producer."""
+                plgpu.barrier_wait(lohi_bars.at[slot])
                 s = (part + other) * scale
                 lo = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 0], layout=COL), shape, [1])
                 hi = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 1], layout=COL), shape, [1])
@@ -207,10 +215,47 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                 plgpu.barrier_arrive(consumed.at[slot])
                 return acc, m_new, l
 
+            def tile(i, carry):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_bars.at[slot * COMPUTE_WGS + wg])
+
+                def qk(acc_ref):
+                    qk_into(acc_ref, slot)
+                    return acc_ref[...]
+                part = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                return finish(slot, part, exchange(i, part), acc, m, l)
+
+            def overlapped_tile(i, carry):
+                """Tile i with tile i + 1's Q·Kᵀ issued first and left in flight through the exchange, the
+                softmax and up to P·V (whose wait retires it): the tensor cores are not idle while the two
+                warpgroups meet. The last tile issues its own Q·Kᵀ again (its slot is still held), so the
+                schedule has no branch around a wgmma."""
+                acc, m, l, part = carry
+                slot = lax.rem(i, stages)
+                nslot = lax.rem(jnp.minimum(i + 1, n - 1), stages)
+                pl.when(i + 1 < n)(lambda: plgpu.barrier_wait(k_bars.at[nslot * COMPUTE_WGS + wg]))
+
+                def scope(next_ref):
+                    qk_into(next_ref, nslot)
+                    acc2, m2, l2 = finish(slot, part, exchange(i, part), acc, m, l)
+                    return acc2, m2, l2, next_ref[...]
+                return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
             init = (plgpu.layout_cast(jnp.zeros((ROWS, dh), jnp.float32), TILE),
                     plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), ROW),
                     plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), ROW))
-            acc, m, l = lax.fori_loop(0, n, tile, init)
+            if overlap_qk:
+                # tile 0's scores first (with no visible block, slot 0 is read but never used)
+                pl.when(n > 0)(lambda: plgpu.barrier_wait(k_bars.at[wg]))
+
+                def first(acc_ref):
+                    qk_into(acc_ref, 0)
+                    return acc_ref[...]
+                part0 = pl.run_scoped(first, plgpu.ACC(shape, jnp.float32))
+                acc, m, l, _ = lax.fori_loop(0, n, overlapped_tile, init + (part0,))
+            else:
+                acc, m, l = lax.fori_loop(0, n, tile, init)
             if double:      # observe the last tile's read (every barrier phase is waited on)
                 pl.when(n > 0)(lambda: plgpu.barrier_wait(read_bars.at[wg]))
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
