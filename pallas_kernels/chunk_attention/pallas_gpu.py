@@ -180,6 +180,13 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             def qk_into(acc_ref, slot):
                 plgpu.wgmma(acc_ref, q_s.at[wg], k_s.at[slot, wg].transpose((1, 0)))
 
+            def scores(slot):
+                """This warpgroup's partial Q·Kᵀ of the tile in `slot`, waited for."""
+                def qk(acc_ref):
+                    qk_into(acc_ref, slot)
+                    return acc_ref[...]
+                return pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+
             def exchange(i, part):
                 """The other warpgroup's partial scores of this tile, through shared memory."""
                 if double:
@@ -219,11 +226,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                 acc, m, l = carry
                 slot = lax.rem(i, stages)
                 plgpu.barrier_wait(k_bars.at[slot * COMPUTE_WGS + wg])
-
-                def qk(acc_ref):
-                    qk_into(acc_ref, slot)
-                    return acc_ref[...]
-                part = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                part = scores(slot)
                 return finish(slot, part, exchange(i, part), acc, m, l)
 
             def overlapped_tile(i, carry):
@@ -248,12 +251,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             if overlap_qk:
                 # tile 0's scores first (with no visible block, slot 0 is read but never used)
                 pl.when(n > 0)(lambda: plgpu.barrier_wait(k_bars.at[wg]))
-
-                def first(acc_ref):
-                    qk_into(acc_ref, 0)
-                    return acc_ref[...]
-                part0 = pl.run_scoped(first, plgpu.ACC(shape, jnp.float32))
-                acc, m, l, _ = lax.fori_loop(0, n, overlapped_tile, init + (part0,))
+                acc, m, l, _ = lax.fori_loop(0, n, overlapped_tile, init + (scores(0),))
             else:
                 acc, m, l = lax.fori_loop(0, n, tile, init)
             if double:      # observe the last tile's read (every barrier phase is waited on)
