@@ -104,16 +104,21 @@ def _check_mosaic(got, want):
 
 
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,k_splits", [(1, 1), (8, 1), (1, 2)])
-def test_op_matches_reference(test_seed, n, k_splits, act_quant_sim):
-    """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8, x and h codes in the kernel's column order,
-    the slots gathered back; K split over two programs where asked) against the reference: duplicate experts across
-    tokens, picks held by another shard, a token with no local expert (`test_kernel_moe_gemm._case`)."""
+@pytest.mark.parametrize("n,k_splits,pairs,scatter", [(1, 1, 8, False), (8, 1, 8, False), (1, 2, 8, False),
+                                                      (8, 1, 16, True)])
+def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatter, act_quant_sim):
+    """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8 or 16, x and h codes in the kernel's column
+    order, the slots gathered back by compares or — prefill sizes, forced here — by a scatter; K split over two
+    programs where asked) against the reference: duplicate experts across tokens, picks held by another shard, a
+    token with no local expert (`test_kernel_moe_gemm._case`)."""
+    if scatter:
+        monkeypatch.setattr(mosaic_fp4, "SCATTER_PAIRS", 0)
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
-    got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic", mosaic_k_splits=k_splits)
+    got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic", mosaic_k_splits=k_splits,
+              mosaic_pairs=pairs)
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
 
@@ -130,6 +135,9 @@ def test_refuses_what_it_cannot_run(test_seed):
     with pytest.raises(ValueError, match="fp4_kernel"):
         moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
                  implementation="pallas", interpret=True, fp4_kernel="cuda")
+    with pytest.raises(ValueError, match="pairs a tile must be a multiple of 8"):
+        moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
+                 implementation="pallas", interpret=True, fp4_kernel="mosaic", mosaic_pairs=12)
 
 
 def test_default_takes_it_only_where_its_shapes_apply(test_seed):
@@ -140,9 +148,8 @@ def test_default_takes_it_only_where_its_shapes_apply(test_seed):
 
     _, _, _, w1, _, w2 = _case(test_seed, "fp4", 1)
     assert w1.weight.shape[2] * 2 % 256 == 0 and w2.weight.shape[2] * 2 % 256 == 0
-    assert default_fp4_kernel(8, w1, w2, 256, compiled_on_gpu=True) == "mosaic"
-    assert default_fp4_kernel(mosaic_fp4.MAX_TOKENS + 1, w1, w2, 256, compiled_on_gpu=True) == "triton"
-    assert default_fp4_kernel(8, w1, w2, 256, compiled_on_gpu=False) == "triton"
+    assert default_fp4_kernel(w1, w2, 256, compiled_on_gpu=True) == "mosaic"
+    assert default_fp4_kernel(w1, w2, 256, compiled_on_gpu=False) == "triton"
     import dsjax
 
     cfg = dsjax.preset("tiny-v4")
@@ -150,22 +157,24 @@ def test_default_takes_it_only_where_its_shapes_apply(test_seed):
     tw1, tw2 = ffn.w1, ffn.w2
     assert tw1.fmt == "fp4" and tw1.weight.shape[2] * 2 == cfg.dim == 128
     assert not mosaic_fp4.applies(tw1, tw2, 256)
-    assert default_fp4_kernel(8, tw1, tw2, 256, compiled_on_gpu=True) == "triton"
+    assert default_fp4_kernel(tw1, tw2, 256, compiled_on_gpu=True) == "triton"
 
 
-@pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits", [
-    (256, 4096, 2048, 1, True, 1), (256, 4096, 2048, 8, True, 1), (384, 5120, 2304, 6, True, 1),
-    (256, 4096, 2048, 8, False, 1), (384, 5120, 2304, 6, False, 1), (256, 4096, 2048, 1, False, 2)])
-def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits):
-    """V4-Flash (decode, 8 tokens) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering, including the
-    `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns; one Mosaic
-    kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU); and K split over two programs."""
+@pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits,pairs", [
+    (256, 4096, 2048, 1, True, 1, None), (256, 4096, 2048, 8, True, 1, None), (384, 5120, 2304, 6, True, 1, None),
+    (256, 4096, 2048, 8, False, 1, None), (384, 5120, 2304, 6, False, 1, None), (256, 4096, 2048, 1, False, 2, None),
+    (256, 4096, 2048, 1024, True, 1, 32), (256, 4096, 2048, 1024, False, 1, 64)])
+def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs):
+    """V4-Flash (decode, 8 tokens; prefill, 1,024) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering,
+    including the `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns;
+    one Mosaic kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU); K split over two programs;
+    wide tiles (32 and 64 pairs: wgmma's N)."""
     S = jax.ShapeDtypeStruct
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
     f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
                                             act_quant_sim=act_quant_sim,
                                             act_quant_block=128, implementation="pallas", interpret=False,
-                                            fp4_kernel="mosaic", mosaic_k_splits=k_splits)
+                                            fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs)
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2
@@ -173,15 +182,15 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits):
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n", [1, 8, 40])
-def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, act_quant_sim):
+@pytest.mark.parametrize("n,pairs", [(1, None), (8, None), (40, None), (400, 32)])  # 400: the scatter unsort
+def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pairs, act_quant_sim):
     """Compiled (the register path: `_register_blocks`, `_scale_column_mgpu`, wgmma): the Mosaic
     op equals the reference and the Triton kernels within `_check_mosaic`'s bound."""
     x, weights, ids, w1, w3, w2 = case = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
-    got = run("pallas", interpret=False, fp4_kernel="mosaic")
+    got = run("pallas", interpret=False, fp4_kernel="mosaic", mosaic_pairs=pairs)
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
     _check_mosaic(got, run("pallas", interpret=False, fp4_kernel="triton"))

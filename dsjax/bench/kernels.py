@@ -35,7 +35,6 @@ from dsjax.bench.report import run_info
 from dsjax.bench.roofline import torch_roofline
 from dsjax.kernels import chunk_attention, indexer_topk, mhc_sinkhorn, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
-from dsjax.kernels.moe_gemm import mosaic_fp4
 from dsjax.kernels.moe_gemm import pallas_triton as moe_gemm_kernel
 from dsjax.layers.lm_head import lm_head
 from dsjax.weights import stored_linear
@@ -400,17 +399,18 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
                 moe_gemm.moe_gemm, swiglu_limit=10.0, act_quant_sim=activations == "fp8", act_quant_block=128,
                 implementation=impl, **o))
             flops = 2 * n * k * 3 * D * I
-            prefill_configs = [{}] + [dict(block_m=bm, block_i=bo, block_d=bo, num_warps=w, num_stages=st)
+            prefill_configs = [{}] + [dict(fp4_kernel="triton", block_m=bm, block_i=bo, block_d=bo, num_warps=w,
+                                           num_stages=st)
                                       for bm, bo, w, st in ((32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3),
                                                             (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                                                             (64, 32, 4, 3), (32, 32, 4, 3))]
             chosen = (configs + gemv if sweep and n <= 8 and fmt == "fp4" else
                       [{}] + gemv if sweep and n <= 8 else
                       prefill_configs if sweep and n >= 1024 and fmt == "fp4" else [{}])
-            # beside the defaults: the path they replaced — FP4 experts at decode sizes, the Triton kernels (the
-            # Mosaic kernel is the default on a GPU); otherwise the other operand form (FP8 activations: FP8 tensor
+            # beside the defaults: the path they replaced — FP4 experts, the Triton kernels (the Mosaic kernel is the
+            # default on a GPU); otherwise the other operand form (FP8 activations: FP8 tensor
             # cores or bf16 operands, `FP8_MMA_DEFAULT` picks per format)
-            previous = ([dict(fp4_kernel="triton")] if fmt == "fp4" and n <= mosaic_fp4.MAX_TOKENS else
+            previous = ([dict(fp4_kernel="triton")] if fmt == "fp4" else
                         [dict(fp8_mma=not moe_gemm_kernel.FP8_MMA_DEFAULT[fmt])] if fmt in ("fp4", "fp8") else [])
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, activations=activations, flops=flops,

@@ -23,8 +23,8 @@ is the Triton kernels' fused one: h = round(swiglu(round(g), round(u)) · routin
 down; written per tile ([T, rows, pairs]), gathered back to pairs by the caller.
 
 H200 (docs/benchmarks.md, "FP4 experts on FP8 tensor cores", "Pair rows streamed"): 1.4x the Triton kernels at 1
-token, 2.2-2.9x at 4-64, up to 83% of the copy bandwidth; `pallas_triton.moe_gemm` takes it (either form) by
-default up to `MAX_TOKENS`.
+token, 2.2-2.9x at 4-64, up to 83% of the copy bandwidth; with tiles of 32 pairs ("Wider tiles at prefill")
+1.7-2.4x at 1-2k tokens; `pallas_triton.moe_gemm` takes it (either form) by default at every batch size.
 
 bf16 activations (the `reference-bf16` numerics) take the same kernel on bf16 tensor cores: each word's nibble
 pairs (c, c + 4) become bf16 pairs by moving bits (`common.fp4_pair_bits`, the values times 2^-126, ±0.5 as bf16
@@ -350,8 +350,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     return epilogue(sums, pw[:, None, :] if two else None, swiglu_limit)
 
 
-PAIRS = 8           # pairs a tile: wgmma's N
-MAX_TOKENS = 64     # `fp4_kernel` default: this kernel up to this many tokens (H200: 1.3-2.9x the Triton kernels)
+PAIRS = 8           # pairs a tile at decode and verify sizes: wgmma's N
+MAX_PAIRS = 32      # the widest default tile
+SCATTER_PAIRS = 1024  # above this many pairs the unsort is a scatter (the compare matrix grows as pairs x slots)
 
 
 def applies(w1, w2, block_k: int = 256) -> bool:
@@ -360,6 +361,16 @@ def applies(w1, w2, block_k: int = 256) -> bool:
     take them)."""
     return (all(l.fmt == "fp4" and l.block == BLOCK for l in (w1, w2))
             and all(l.weight.shape[1] % ROWS == 0 and 2 * l.weight.shape[2] % block_k == 0 for l in (w1, w2)))
+
+
+def default_options(n_pairs: int, n_experts: int) -> dict:
+    """`moe_gemm`'s pipeline stages and pairs a tile: tiles about as wide as an expert's mean share of the pairs
+    (a multiple of 8, from 8 to `MAX_PAIRS`). H200 (docs/benchmarks.md, "Wider tiles at prefill"): 2 stages beat 3
+    by 4-10% in the bf16 form at 1-64 tokens and 16% at 1-2k, the FP8 form within 3% either way; 8-pair tiles beat
+    16 and 32 up to 256 tokens of top-6 over 256 experts (6 pairs an expert), 24-32 beat 8 by 1.5-1.8x at
+    1,024-2,048 (each expert's weights read a third or a quarter as often); 64 was slower (registers)."""
+    mean = -(-n_pairs // n_experts)
+    return dict(stages=2, pairs=min(MAX_PAIRS, max(PAIRS, -(-mean // 8) * 8)))
 
 
 def _tiles_of(rows, scales, slot_rows, valid):
@@ -375,10 +386,11 @@ def _tiles_of(rows, scales, slot_rows, valid):
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
-             block_k: int = 256, stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, interpret=None,
-             codes_kernel: bool = True):
+             block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
+             interpret=None, codes_kernel: bool = True, pairs: int | None = None):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
-    by expert as the Triton path groups them (`pallas_triton`), tiles of up to `PAIRS` pairs. With FP8 activations
+    by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
+    of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers). With FP8 activations
     (act_quant_sim) x and h are quantized once (`act_codes.fp8_codes`) with their columns already in the kernel's K
     order (`mma_columns` moves columns within 32-column blocks, so each 128-column block's amax, scale and codes
     are the same) and the GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values. k_splits:
@@ -394,10 +406,14 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     dt = x.dtype
-    _, pw, order, tiles = expert_pairs(weights, ids, E, PAIRS)
+    defaults = default_options(n * k, E)
+    stages, pairs = stages or defaults["stages"], pairs or defaults["pairs"]
+    if pairs % 8 or not 8 <= pairs <= 256:
+        raise ValueError(f"moe_gemm mosaic_fp4: pairs a tile must be a multiple of 8 from 8 to 256, got {pairs}")
+    _, pw, order, tiles = expert_pairs(weights, ids, E, pairs)
     P = n * k
     T = tiles.shape[0]
-    slot = jnp.arange(PAIRS, dtype=jnp.int32)
+    slot = jnp.arange(pairs, dtype=jnp.int32)
     pair = tiles[:, 1:2] + slot[None, :]                               # [T, N]: the sorted pair of each slot
     valid = (tiles[:, :1] >= 0) & (pair < tiles[:, 2:3])
     pair = jnp.where(valid, pair, 0)
@@ -414,14 +430,21 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     pw_sorted = pw if n == 1 else pw[order]
     h = tile_gemm(xt, xs, tiles[:, 0], [w1, w3], pair_weight=jnp.where(valid, pw_sorted[pair], 0.0),
                   swiglu_limit=swiglu_limit, k_splits=splits(D), **opts)             # [T, I, N]
-    flat = jnp.arange(T * PAIRS, dtype=jnp.int32).reshape(T, PAIRS)
-    ht, hs = _tiles_of(*operand(h.transpose(0, 2, 1).reshape(T * PAIRS, I)), flat, valid)
-    y = tile_gemm(ht, hs, tiles[:, 0], [w2], k_splits=splits(I), **opts).transpose(0, 2, 1).reshape(T * PAIRS, D)
+    flat = jnp.arange(T * pairs, dtype=jnp.int32).reshape(T, pairs)
+    ht, hs = _tiles_of(*operand(h.transpose(0, 2, 1).reshape(T * pairs, I)), flat, valid)
+    y = tile_gemm(ht, hs, tiles[:, 0], [w2], k_splits=splits(I), **opts).transpose(0, 2, 1).reshape(T * pairs, D)
 
-    # each pair's slot, by its original index: the one valid slot whose sorted pair it is (compares and one
-    # gather: the unsort as a scatter was a 35-µs XLA kernel at 8 tokens on the H200)
-    original = pair if n == 1 else order[pair]
-    hit = (original.reshape(-1)[None, :] == jnp.arange(P, dtype=jnp.int32)[:, None]) & valid.reshape(-1)[None, :]
-    slot_of = (hit * jnp.arange(T * PAIRS, dtype=jnp.int32)[None, :]).sum(axis=1)
-    y_pairs = jnp.where(hit.any(axis=1)[:, None], y[slot_of], jnp.zeros((), dt))      # dropped pairs: 0
+    # each pair's slot, by its original index. Decode sizes: the one valid slot whose sorted pair it is, by compares
+    # and one gather (the unsort as a scatter was a 35-µs XLA kernel at 8 tokens on the H200); prefill sizes: a
+    # scatter (the compare matrix is pairs x slots: 50M at 1,024 tokens)
+    original = (pair if n == 1 else order[pair]).reshape(-1)
+    slots = jnp.arange(T * pairs, dtype=jnp.int32)
+    if P <= SCATTER_PAIRS:
+        hit = (original[None, :] == jnp.arange(P, dtype=jnp.int32)[:, None]) & valid.reshape(-1)[None, :]
+        slot_of, found = (hit * slots[None, :]).sum(axis=1), hit.any(axis=1)
+    else:
+        target = jnp.where(valid.reshape(-1), original, P)                  # invalid slots: out of bounds, dropped
+        slot_of = jnp.zeros((P,), jnp.int32).at[target].set(slots, mode="drop")
+        found = jnp.zeros((P,), bool).at[target].set(True, mode="drop")
+    y_pairs = jnp.where(found[:, None], y[slot_of], jnp.zeros((), dt))               # dropped pairs: 0
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)

@@ -332,12 +332,11 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
                           interpret=interpret, name=name)(tiles, *index, *inputs, *stored)
 
 
-def default_fp4_kernel(n_tokens: int, w1, w2, block_k: int, *, compiled_on_gpu: bool) -> str:
-    """`fp4_kernel`'s default. Measured (H200, docs/benchmarks.md): the Mosaic kernel wins at decode and verify
-    sizes, compiled, where its shapes apply; the Triton kernels take the rest (prefill, interpret mode, tiny
-    models)."""
-    return ("mosaic" if compiled_on_gpu and n_tokens <= mosaic_fp4.MAX_TOKENS
-            and mosaic_fp4.applies(w1, w2, block_k) else "triton")
+def default_fp4_kernel(w1, w2, block_k: int, *, compiled_on_gpu: bool) -> str:
+    """`fp4_kernel`'s default. Measured (H200, docs/benchmarks.md): the Mosaic kernel wins, compiled, where its
+    shapes apply, at every batch size (1.3-2.9x at decode and verify sizes, 1.7-2.4x at 1-2k-token prefill); the
+    Triton kernels take the rest (interpret mode, tiny models)."""
+    return "mosaic" if compiled_on_gpu and mosaic_fp4.applies(w1, w2, block_k) else "triton"
 
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_quant_block, block_m: int | None = None,
@@ -345,8 +344,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              num_warps: int | None = None, num_stages: int = 3, target_programs: int = 8 * 132, interpret=None,
              fp4_asm: bool = True, fp8_mma: bool | None = None, fp8_dot: str = "pieces", fused: bool | None = None,
              in_kernel_quant: bool = False, codes_kernel: bool = True, fp4_kernel: str | None = None,
-             mosaic_block_k: int = 256, mosaic_stages: int = 3, mosaic_wait_per_linear: bool = True,
-             mosaic_k_splits: int = 1):
+             mosaic_block_k: int = 256, mosaic_stages: int | None = None, mosaic_wait_per_linear: bool = True,
+             mosaic_k_splits: int = 1, mosaic_pairs: int | None = None):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
@@ -366,15 +365,16 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three.
     fp4_kernel: "mosaic" — FP4 experts on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 — or, with bf16
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
-    mosaic_wait_per_linear / mosaic_k_splits are its options); "triton" — these kernels; default: "mosaic" where
-    it applies, compiled on a GPU, up to `mosaic_fp4.MAX_TOKENS` tokens (H200, docs/benchmarks.md "FP4 experts on
-    FP8 tensor cores": FP8 activations 1.3-2.6x these kernels at 1-64 tokens, bf16 activations 1.07-1.66x)."""
+    mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs are its options, stages and pairs by default
+    `mosaic_fp4.default_options`); "triton" — these kernels; default (`default_fp4_kernel`): "mosaic" where it
+    applies, compiled on a GPU, at every batch size (H200, docs/benchmarks.md "FP4 experts on FP8 tensor cores",
+    "Wider tiles at prefill": 1.3-2.9x these kernels at 1-64 tokens, 1.7-2.4x at 1-2k tokens)."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     if fp4_kernel not in (None, "triton", "mosaic"):
         raise ValueError(f"moe_gemm pallas: fp4_kernel must be 'triton' or 'mosaic', got {fp4_kernel!r}")
     if fp4_kernel is None:
-        fp4_kernel = default_fp4_kernel(ids.shape[0], w1, w2, mosaic_block_k,
+        fp4_kernel = default_fp4_kernel(w1, w2, mosaic_block_k,
                                         compiled_on_gpu=interpret in (None, False) and jax.default_backend() == "gpu")
     if fp4_kernel == "mosaic":
         if not mosaic_fp4.applies(w1, w2, mosaic_block_k) or x.dtype != jnp.bfloat16:
@@ -385,8 +385,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
                                    act_quant_sim=act_quant_sim, act_quant_block=act_quant_block,
                                    block_k=mosaic_block_k, stages=mosaic_stages,
                                    wait_per_linear=mosaic_wait_per_linear, k_splits=mosaic_k_splits,
-                                   interpret=interpret,
-                                   codes_kernel=codes_kernel)
+                                   interpret=interpret, codes_kernel=codes_kernel, pairs=mosaic_pairs)
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     fp8_mma = FP8_MMA_DEFAULT[w1.fmt] if fp8_mma is None else fp8_mma
