@@ -17,9 +17,10 @@ the output; with CSA picks it writes m, l and acc / l rounded to the compute dty
 a [64, 512] fp32 tile beside the key stages: one extra rounding of 2^-9 relative), which `rows.merge_picks`
 combines with the picks' partials.
 
-With `overlap_qk` (opt-in until timed on a GPU) each warpgroup issues the next key tile's Q·Kᵀ before it
-exchanges and softmaxes this one, and that wgmma retires with P·V's wait: FlashAttention-3's intra-warpgroup
-overlap, here also hiding the rendezvous, where both warpgroups otherwise leave the tensor cores idle together.
+With `overlap_qk` each warpgroup issues the next key tile's Q·Kᵀ before it exchanges and softmaxes this one, and
+that wgmma retires with P·V's wait: FlashAttention-3's intra-warpgroup overlap, here also hiding the rendezvous,
+where both warpgroups otherwise leave the tensor cores idle together. Opt-in: the H200 timed it 1.48x slower than
+the default at hca@128k (docs/benchmarks.md, issue 9 item 9).
 
 In Mosaic GPU interpret mode (CPU tests) P·V is a dot of the loaded values: the interpreter has no `pl.run_state`,
 which the wgmma-into-a-register-accumulator form needs on the GPU; the lowering itself is tested for CUDA.
