@@ -365,10 +365,11 @@ def applies(w1, w2, block_k: int = 256) -> bool:
 
 def default_options(n_pairs: int, n_experts: int) -> dict:
     """`moe_gemm`'s pipeline stages and pairs a tile: tiles about as wide as an expert's mean share of the pairs
-    (a multiple of 8, from 8 to `MAX_PAIRS`). H200 (docs/benchmarks.md, "Wider tiles at prefill"): 2 stages beat 3
-    by 4-10% in the bf16 form at 1-64 tokens and 16% at 1-2k, the FP8 form within 3% either way; 8-pair tiles beat
-    16 and 32 up to 256 tokens of top-6 over 256 experts (6 pairs an expert), 24-32 beat 8 by 1.5-1.8x at
-    1,024-2,048 (each expert's weights read a third or a quarter as often); 64 was slower (registers)."""
+    (a multiple of 8, from 8 to `MAX_PAIRS`). H200 (docs/benchmarks.md, "... wider tiles at prefill"): 2 stages
+    beat 3 by 1-10% in the bf16 form at 1-64 tokens and 16-19% at 1-2k; in the FP8 form by 1-7% at 1-4 tokens,
+    within 2% either way above; 8-pair tiles beat 16 and 32 up to 256 tokens of top-6 over 256 experts (6 pairs an
+    expert), 24-32 beat 8 by 1.5-2.0x at 1,024-2,048 (each expert's weights read a third or a quarter as often);
+    64 were slower (likely register spills: not profiled)."""
     mean = -(-n_pairs // n_experts)
     return dict(stages=2, pairs=min(MAX_PAIRS, max(PAIRS, -(-mean // 8) * 8)))
 
@@ -390,11 +391,12 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
              interpret=None, codes_kernel: bool = True, pairs: int | None = None):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
-    of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers). With FP8 activations
-    (act_quant_sim) x and h are quantized once (`act_codes.fp8_codes`) with their columns already in the kernel's K
-    order (`mma_columns` moves columns within 32-column blocks, so each 128-column block's amax, scale and codes
-    are the same) and the GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values. k_splits:
-    `tile_gemm`'s, for each GEMM whose K steps it divides (else 1)."""
+    of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
+    `default_options`, as are the stages). With FP8 activations (act_quant_sim) x and h are quantized once
+    (`act_codes.fp8_codes`) with their columns already in the kernel's K order (`mma_columns` moves columns within
+    32-column blocks, so each 128-column block's amax, scale and codes are the same) and the GEMMs run on FP8 tensor
+    cores; without, on bf16 ones with the bf16 values. k_splits: `tile_gemm`'s, for each GEMM whose K steps it
+    divides (else 1)."""
     from dsjax import quant
     from dsjax.kernels.moe_gemm.act_codes import fp8_codes
     from dsjax.kernels.moe_gemm.pallas_triton import expert_pairs

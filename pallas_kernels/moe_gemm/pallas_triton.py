@@ -334,8 +334,8 @@ def grouped_matmul(name, inp, lin_list, tiles, row_index, n_out: int, block_o: i
 
 def default_fp4_kernel(w1, w2, block_k: int, *, compiled_on_gpu: bool) -> str:
     """`fp4_kernel`'s default. Measured (H200, docs/benchmarks.md): the Mosaic kernel wins, compiled, where its
-    shapes apply, at every batch size (1.3-2.9x at decode and verify sizes, 1.7-2.4x at 1-2k-token prefill); the
-    Triton kernels take the rest (interpret mode, tiny models)."""
+    shapes apply, at every batch size (1.3-2.8x at 1-64 tokens, 2.5-3.7x at 128-256, 1.7-2.4x at 1-2k-token
+    prefill); the Triton kernels take the rest (interpret mode, tiny models)."""
     return "mosaic" if compiled_on_gpu and mosaic_fp4.applies(w1, w2, block_k) else "triton"
 
 
@@ -368,7 +368,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs are its options, stages and pairs by default
     `mosaic_fp4.default_options`); "triton" — these kernels; default (`default_fp4_kernel`): "mosaic" where it
     applies, compiled on a GPU, at every batch size (H200, docs/benchmarks.md "FP4 experts on FP8 tensor cores",
-    "Wider tiles at prefill": 1.3-2.9x these kernels at 1-64 tokens, 1.7-2.4x at 1-2k tokens)."""
+    "... wider tiles at prefill": 1.3-2.8x these kernels at 1-64 tokens, 1.7-2.4x at 1-2k tokens)."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     if fp4_kernel not in (None, "triton", "mosaic"):
