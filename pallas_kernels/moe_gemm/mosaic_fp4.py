@@ -23,7 +23,7 @@ is the Triton kernels' fused one: h = round(swiglu(round(g), round(u)) · routin
 down; written per tile ([T, rows, pairs]), gathered back to pairs by the caller.
 
 H200 (docs/benchmarks.md, "FP4 experts on FP8 tensor cores", "Pair rows streamed"): 1.4x the Triton kernels at 1
-token, 2.2-2.9x at 4-64, up to 83% of the copy bandwidth; with tiles of 32 pairs ("Wider tiles at prefill")
+token, 2.2-2.9x at 4-64, up to 83% of the copy bandwidth; with tiles of 32 pairs ("... wider tiles at prefill")
 1.7-2.4x at 1-2k tokens; `pallas_triton.moe_gemm` takes it (either form) by default at every batch size.
 
 bf16 activations (the `reference-bf16` numerics) take the same kernel on bf16 tensor cores: each word's nibble
@@ -408,12 +408,13 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     dt = x.dtype
-    defaults = default_options(n * k, E)
-    stages, pairs = stages or defaults["stages"], pairs or defaults["pairs"]
+    P = n * k
+    defaults = default_options(P, E)
+    stages = defaults["stages"] if stages is None else stages
+    pairs = defaults["pairs"] if pairs is None else pairs
     if pairs % 8 or not 8 <= pairs <= 256:
         raise ValueError(f"moe_gemm mosaic_fp4: pairs a tile must be a multiple of 8 from 8 to 256, got {pairs}")
     _, pw, order, tiles = expert_pairs(weights, ids, E, pairs)
-    P = n * k
     T = tiles.shape[0]
     slot = jnp.arange(pairs, dtype=jnp.int32)
     pair = tiles[:, 1:2] + slot[None, :]                               # [T, N]: the sorted pair of each slot
@@ -446,7 +447,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
         slot_of, found = (hit * slots[None, :]).sum(axis=1), hit.any(axis=1)
     else:
         target = jnp.where(valid.reshape(-1), original, P)                  # invalid slots: out of bounds, dropped
-        slot_of = jnp.zeros((P,), jnp.int32).at[target].set(slots, mode="drop")
-        found = jnp.zeros((P,), bool).at[target].set(True, mode="drop")
+        slot_of = jnp.full((P,), -1, jnp.int32).at[target].set(slots, mode="drop")   # -1: no slot (one scatter)
+        slot_of, found = jnp.maximum(slot_of, 0), slot_of >= 0
     y_pairs = jnp.where(found[:, None], y[slot_of], jnp.zeros((), dt))               # dropped pairs: 0
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)
