@@ -364,14 +364,18 @@ def applies(w1, w2, block_k: int = 256) -> bool:
 
 
 def default_options(n_pairs: int, n_experts: int) -> dict:
-    """`moe_gemm`'s pipeline stages and pairs a tile: tiles about as wide as an expert's mean share of the pairs
-    (a multiple of 8, from 8 to `MAX_PAIRS`). H200 (docs/benchmarks.md, "... wider tiles at prefill"): 2 stages
+    """`moe_gemm`'s pipeline stages and pairs a tile: tiles as wide as an expert's mean share of the pairs, rounded
+    up to 8, 16 or 32 (`PAIRS` .. `MAX_PAIRS`). H200 (docs/benchmarks.md, "... wider tiles at prefill"): 2 stages
     beat 3 by 1-10% in the bf16 form at 1-64 tokens and 16-19% at 1-2k; in the FP8 form by 1-7% at 1-4 tokens,
     within 2% either way above; 8-pair tiles beat 16 and 32 up to 256 tokens of top-6 over 256 experts (6 pairs an
-    expert), 24-32 beat 8 by 1.5-2.0x at 1,024-2,048 (each expert's weights read a third or a quarter as often);
-    64 were slower (likely register spills: not profiled)."""
+    expert), 24-32 beat 8 by 1.5-2.0x at 1,024-2,048 (each expert's weights read a third or a quarter as often).
+    At 1,024 tokens (24 pairs an expert) 32 beat 24 by 15% in the FP8 form and tied (0.7%) in the bf16 form, hence
+    the rounding to a power of two; 64 were slower (likely register spills: not profiled)."""
     mean = -(-n_pairs // n_experts)
-    return dict(stages=2, pairs=min(MAX_PAIRS, max(PAIRS, -(-mean // 8) * 8)))
+    pairs = PAIRS
+    while pairs < min(mean, MAX_PAIRS):
+        pairs *= 2
+    return dict(stages=2, pairs=pairs)
 
 
 def _tiles_of(rows, scales, slot_rows, valid):
