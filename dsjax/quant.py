@@ -229,10 +229,31 @@ def fp8_e4m3_row_codes(x):
     the power-of-two scale as a multiply by its exact reciprocal (written in the exponent field; XLA makes the same
     rewrite). Why one definition: XLA's path and the Triton kernels (the MoE op's activation codes kernel,
     `moe_gemm.act_codes`, and its in-kernel option) quantize with it."""
-    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), _FP8_AMAX_FLOOR)
-    e = _ceil_log2_bits(amax * _FP8_MAX_INV, jnp)
+    e = fp8_e4m3_row_exponent(x)
+    return fp8_e4m3_codes_at(x, e), _pow2_bits(e, jnp)
+
+
+def fp8_e4m3_row_exponent(x):
+    """The power-of-two FP8 scale's exponent (int32 [...]) of each row of the last axis ([..., block]): the first
+    half of ``fp8_e4m3_row_codes``, apart so a kernel can take a row's amax from other registers than its codes
+    (`moe_gemm.tile_operands`: the codes in the MMA's column order)."""
+    return fp8_e4m3_exponent_of(jnp.max(jnp.abs(x), axis=-1))
+
+
+def fp8_e4m3_exponent_of(amax):
+    """The power-of-two FP8 scale's exponent (int32) for a block's amax (floored as ``fp8_e4m3_sim`` floors it)."""
+    return _ceil_log2_bits(jnp.maximum(amax, _FP8_AMAX_FLOOR) * _FP8_MAX_INV, jnp)
+
+
+def fp8_e4m3_codes_at(x, e):
+    """x [..., m] -> its e4m3 codes under the power-of-two scales 2^e [...] (``fp8_e4m3_row_codes``'s second half)."""
     xs = x * _pow2_bits(-e, jnp)[..., None]
-    return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), _pow2_bits(e, jnp)
+    return jnp.clip(xs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+def pow2_of(e):
+    """2^e (fp32) for int32 exponents in [-126, 127], written in the exponent field (kernel-safe)."""
+    return _pow2_bits(e, jnp)
 
 
 @partial(jax.jit, static_argnames=("block", "scale_format"))

@@ -187,6 +187,7 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs):
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "moe_tile_operands" in text   # x's and h's A tiles
 
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")

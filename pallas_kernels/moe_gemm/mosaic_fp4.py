@@ -378,32 +378,21 @@ def default_options(n_pairs: int, n_experts: int) -> dict:
     return dict(stages=2, pairs=pairs)
 
 
-def _tiles_of(rows, scales, slot_rows, valid):
-    """Rows [R, K] (e4m3 codes or bf16 values) and the codes' scales [R, K / 128] (or None) that each tile slot
-    takes ([T, N], zero where not valid) -> `tile_gemm`'s x_tiles [T, K / 32, N, 32] and x_scales [T, K / 128, N]."""
-    T, N = slot_rows.shape
-    K = rows.shape[1]
-    c = jnp.where(valid[..., None], rows[slot_rows], jnp.zeros((), rows.dtype))
-    tiles = c.reshape(T, N, K // BLOCK, BLOCK).transpose(0, 2, 1, 3)
-    if scales is None:
-        return tiles, None
-    return tiles, jnp.where(valid[..., None], scales[slot_rows], 0.0).transpose(0, 2, 1)
-
-
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
              interpret=None, codes_kernel: bool = True, pairs: int | None = None):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
-    `default_options`, as are the stages). With FP8 activations (act_quant_sim) x and h are quantized once
-    (`act_codes.fp8_codes`) with their columns already in the kernel's K order (`mma_columns` moves columns within
-    32-column blocks, so each 128-column block's amax, scale and codes are the same) and the GEMMs run on FP8 tensor
-    cores; without, on bf16 ones with the bf16 values. k_splits: `tile_gemm`'s, for each GEMM whose K steps it
-    divides (else 1)."""
-    from dsjax import quant
-    from dsjax.kernels.moe_gemm.act_codes import fp8_codes
+    `default_options`, as are the stages). With FP8 activations (act_quant_sim) x and h are quantized per tile
+    slot as `tile_operands` gathers them into the kernels' A tiles, columns in the kernel's K order (`mma_columns`
+    moves columns within 32-column blocks, so each 128-column block's amax, scale and codes are the same), and the
+    GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values. h goes to the down kernel as the up
+    kernel stored it ([T, I, N]) and y comes back to its pairs from [T, D, N]: no transposes between. codes_kernel:
+    `tile_operands` (one Triton launch each for x and h), else the same in XLA ops (`tile_operands_xla`).
+    k_splits: `tile_gemm`'s, for each GEMM whose K steps it divides (else 1)."""
     from dsjax.kernels.moe_gemm.pallas_triton import expert_pairs
+    from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
 
     if act_quant_sim and act_quant_block % QUAD:
@@ -425,21 +414,19 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     valid = (tiles[:, :1] >= 0) & (pair < tiles[:, 2:3])
     pair = jnp.where(valid, pair, 0)
     triton_interp = None if interpret is None else bool(interpret)
-    codes_of = ((lambda a: fp8_codes(a, act_quant_block, interpret=triton_interp)) if codes_kernel else
-                (lambda a: quant.fp8_e4m3_codes(a, act_quant_block)))
-    operand = (lambda a: codes_of(mma_columns(a))) if act_quant_sim else (  # noqa: E731
-        lambda a: (mma_columns(a, fp8=False), None))
+    tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
+                              block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, interpret=interpret)
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
 
     token = jnp.zeros_like(pair) if n == 1 else order[pair] // k
-    xt, xs = _tiles_of(*operand(x), token, valid)
+    xt, xs = tiled(x.reshape(-1), jnp.where(valid, token * D, -1), 1, D)
     pw_sorted = pw if n == 1 else pw[order]
     h = tile_gemm(xt, xs, tiles[:, 0], [w1, w3], pair_weight=jnp.where(valid, pw_sorted[pair], 0.0),
                   swiglu_limit=swiglu_limit, k_splits=splits(D), **opts)             # [T, I, N]
-    flat = jnp.arange(T * pairs, dtype=jnp.int32).reshape(T, pairs)
-    ht, hs = _tiles_of(*operand(h.transpose(0, 2, 1).reshape(T * pairs, I)), flat, valid)
-    y = tile_gemm(ht, hs, tiles[:, 0], [w2], k_splits=splits(I), **opts).transpose(0, 2, 1).reshape(T * pairs, D)
+    t_of, s_of = jnp.arange(T, dtype=jnp.int32)[:, None], slot[None, :]
+    ht, hs = tiled(h.reshape(-1), jnp.where(valid, t_of * I * pairs + s_of, -1), pairs, I)   # h's columns as stored
+    y = tile_gemm(ht, hs, tiles[:, 0], [w2], k_splits=splits(I), **opts)                      # [T, D, N]
 
     # each pair's slot, by its original index. Decode sizes: the one valid slot whose sorted pair it is, by compares
     # and one gather (the unsort as a scatter was a 35-µs XLA kernel at 8 tokens on the H200); prefill sizes: a
@@ -453,5 +440,5 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
         target = jnp.where(valid.reshape(-1), original, P)                  # invalid slots: out of bounds, dropped
         slot_of = jnp.full((P,), -1, jnp.int32).at[target].set(slots, mode="drop")   # -1: no slot (one scatter)
         slot_of, found = jnp.maximum(slot_of, 0), slot_of >= 0
-    y_pairs = jnp.where(found[:, None], y[slot_of], jnp.zeros((), dt))               # dropped pairs: 0
+    y_pairs = jnp.where(found[:, None], y[slot_of // pairs, :, slot_of % pairs], jnp.zeros((), dt))  # dropped: 0
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)

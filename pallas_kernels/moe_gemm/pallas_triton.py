@@ -362,7 +362,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     batches). in_kernel_quant (FP8 form, FP8 experts): x and h quantized to e4m3 in the kernels, per chunk, instead
     of by XLA — the fewest kernels (7 at one token), but each of the I / block_i (D / block_d) programs of a tile
     quantizes the same rows: the H200 measured it 5-10% slower at 1 and 4 tokens, so it is off. codes_kernel:
-    the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three.
+    the FP8 form's x and h codes from one small kernel each (`act_codes.fp8_codes`) instead of XLA's three (with
+    fp4_kernel "mosaic": its A tiles, codes and all, from `tile_operands`, else from XLA ops).
     fp4_kernel: "mosaic" — FP4 experts on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 — or, with bf16
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
     mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs are its options, stages and pairs by default

@@ -1,0 +1,108 @@
+"""The expert kernels' A operands in one launch: rows gathered into tiles, columns in the MMA's order, FP8 codes.
+
+Why: `mosaic_fp4.tile_gemm` takes its pairs' activations as x_tiles [T, K / 32, N, 32] (each 32-column block of
+a tile's N pairs side by side, columns in `mma_columns` order) and, in the FP8 form, per-128-column scales
+[T, K / 128, N]. XLA built them from x [n, D] and from the up kernel's h [T, I, N] in a chain of transposes, the
+codes kernel and masks — at 8 decode tokens about a dozen of the op's 18 glue kernels (docs/benchmarks.md, the
+8-token profile of 2026-12-04). Here one Triton program per (tile, scale block) reads its pairs' rows wherever
+they lie (a row offset and a column stride: token rows of x, or the columns of h as the up kernel stored them),
+quantizes them as `quant.fp8_e4m3_row_codes` does (a slot's amax over its rows of the program's tile, so each
+value is read once) and writes both outputs in the kernel's layout.
+`tile_operands_xla` is the same contract in XLA ops (the reference and the `codes_kernel=False` path).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from dsjax import quant
+from dsjax.kernels.common import gather, iota, triton_interpret, triton_params
+
+BLOCK = 32      # columns of one MMA K block (one row of x_tiles)
+QUAD = 128      # columns of one activation scale in the kernel (one entry of x_scales)
+
+
+def source_column(j, fp8: bool):
+    """Position j (0..31) of a 32-column block in the MMA's K order -> the column it takes (`mosaic_fp4.mma_columns`
+    as integer arithmetic, so a kernel can compute its gather addresses). fp8: position 16h + 4t + i takes column
+    8t + 2i + h; bf16: position 8c + 2t + j' takes column 8t + c + 4j'."""
+    if fp8:
+        return 8 * ((j // 4) % 4) + 2 * (j % 4) + j // 16
+    return 8 * ((j // 2) % 4) + j // 8 + 4 * (j % 2)
+
+
+def _check(src, row_offset, K: int, block: int):
+    if K % block or block % QUAD:
+        raise ValueError(f"tile_operands: {K} columns must be whole scale blocks of {block}, a multiple of {QUAD}")
+    if src.ndim != 1 or row_offset.ndim != 2:
+        raise ValueError(f"tile_operands: src must be flat and row_offset [T, N], got {src.shape}, {row_offset.shape}")
+
+
+def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD, interpret=None):
+    """src: the rows' values, flat (bf16); row_offset [T, N] int32: where slot (t, n)'s row starts in src (-1: an
+    empty slot, zeros); column c of that row lies at row_offset + c * col_stride. -> (x_tiles [T, K / 32, N, 32]:
+    e4m3 codes (codes) or the values, columns in `mma_columns` order; x_scales [T, K / 128, N] fp32, 0 for empty
+    slots, or None). codes: quantized per `block` columns of a row, equal to `quant.fp8_e4m3_codes(row, block)`."""
+    _check(src, row_offset, K, block)
+    T, N = row_offset.shape
+    G = block // BLOCK                                   # 32-column blocks a program
+    R = 1 << max(0, (G * N - 1).bit_length())            # rows of a program's register tile (a power of two)
+    Q = block // QUAD
+
+    Np = 1 << max(0, (N - 1).bit_length())               # slots, padded to a power of two (Triton's ranges)
+
+    def body(src_ref, off_ref, tiles_ref, *scales_ref):
+        t, kb = pl.program_id(0), pl.program_id(1)
+        r = iota(R)
+        s, g = r % N, r // N
+        live = r < G * N
+        off = jnp.where(live, gather(off_ref, t * N + s, mask=live), -1)
+        ok = (off >= 0)[:, None]
+        j = iota(BLOCK)[None, :]
+        cols = kb * block + BLOCK * g[:, None] + source_column(j, codes)
+        part = gather(src_ref, off[:, None] + cols * col_stride, mask=ok)          # [R, 32]: row (g, s)
+        out_rows = ((t * (K // BLOCK) + kb * G + g) * N + s)[:, None]
+        if not codes:
+            plt.store(tiles_ref.at[out_rows, j], part.astype(tiles_ref.dtype), mask=live[:, None])
+            return
+        # a slot's amax over its G rows (the whole scale block), back on each of them: selects over [R, Np]
+        part = part.astype(jnp.float32)
+        same_slot = s[:, None] == iota(Np)[None, :]
+        slot_max = jnp.max(jnp.where(same_slot, jnp.max(jnp.abs(part), axis=1)[:, None], 0.0), axis=0)
+        e = quant.fp8_e4m3_exponent_of(jnp.sum(jnp.where(same_slot, slot_max[None, :], 0.0), axis=1))
+        plt.store(tiles_ref.at[out_rows, j], quant.fp8_e4m3_codes_at(part, e), mask=live[:, None])
+        at = (t * (K // QUAD) + kb * Q + g) * N + s
+        plt.store(scales_ref[0].at[at], jnp.where(ok[:, 0], quant.pow2_of(e), 0.0), mask=live & (g < Q))
+
+    dtype = jnp.float8_e4m3fn if codes else src.dtype
+    out_shape = [jax.ShapeDtypeStruct((T * (K // BLOCK) * N, BLOCK), dtype)]
+    if codes:
+        out_shape.append(jax.ShapeDtypeStruct((T * (K // QUAD) * N,), jnp.float32))
+    outs = pl.pallas_call(
+        body, out_shape=out_shape, grid=(T, K // block),
+        compiler_params=triton_params(4, 1), interpret=triton_interpret(interpret),
+        name="moe_tile_operands")(src, row_offset.reshape(-1).astype(jnp.int32))
+    tiles = outs[0].reshape(T, K // BLOCK, N, BLOCK)
+    return (tiles, outs[1].reshape(T, K // QUAD, N)) if codes else (tiles, None)
+
+
+def tile_operands_xla(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD,
+                      interpret=None):
+    """`tile_operands`' contract in XLA ops: gather the rows, quantize them (`quant.fp8_e4m3_codes`), move the
+    columns (`mosaic_fp4.mma_columns`) and the axes."""
+    from dsjax.kernels.moe_gemm.mosaic_fp4 import mma_columns
+
+    del interpret
+    _check(src, row_offset, K, block)
+    T, N = row_offset.shape
+    ok = row_offset >= 0
+    rows = src[jnp.where(ok, row_offset, 0)[..., None] + jnp.arange(K, dtype=jnp.int32) * col_stride]
+    rows = jnp.where(ok[..., None], rows, jnp.zeros((), src.dtype))                   # [T, N, K]
+    if codes:
+        values, scales = quant.fp8_e4m3_codes(rows, block)
+        scales = jnp.where(ok[..., None], jnp.repeat(scales, block // QUAD, axis=-1), 0.0).transpose(0, 2, 1)
+    else:
+        values, scales = rows, None
+    tiles = mma_columns(values, fp8=codes).reshape(T, N, K // BLOCK, BLOCK).transpose(0, 2, 1, 3)
+    return tiles, scales
