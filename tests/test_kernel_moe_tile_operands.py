@@ -41,7 +41,7 @@ def _sources(seed, layout, T, N, K):
 
 @pytest.mark.parametrize("layout", ["x", "h"])
 @pytest.mark.parametrize("codes", [True, False], ids=["codes", "values"])
-@pytest.mark.parametrize("N,block", [(8, 128), (24, 128), (16, 256)])
+@pytest.mark.parametrize("N,block", [(8, 128), (24, 128), (16, 256), (80, 128)])  # 80: three programs a tile
 def test_kernel_equals_xla_form_and_the_quantizer(test_seed, layout, codes, N, block):
     T, K = 3, 512
     src, off, stride, rows, valid = _sources(test_seed, layout, T, N, K)

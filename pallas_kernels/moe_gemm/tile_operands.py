@@ -4,7 +4,7 @@ Why: `mosaic_fp4.tile_gemm` takes its pairs' activations as x_tiles [T, K / 32, 
 a tile's N pairs side by side, columns in `mma_columns` order) and, in the FP8 form, per-128-column scales
 [T, K / 128, N]. XLA built them from x [n, D] and from the up kernel's h [T, I, N] in a chain of transposes, the
 codes kernel and masks — at 8 decode tokens about a dozen of the op's 18 glue kernels (docs/benchmarks.md, the
-8-token profile of 2026-12-04). Here one Triton program per (tile, scale block) reads its pairs' rows wherever
+8-token profile of 2026-12-04). Here one Triton program per (tile, scale block, 32 slots) reads its pairs' rows wherever
 they lie (a row offset and a column stride: token rows of x, or the columns of h as the up kernel stored them),
 quantizes them as `quant.fp8_e4m3_row_codes` does (a slot's amax over its rows of the program's tile, so each
 value is read once) and writes both outputs in the kernel's layout.
@@ -21,6 +21,7 @@ from dsjax.kernels.common import gather, iota, triton_interpret, triton_params
 
 BLOCK = 32      # columns of one MMA K block (one row of x_tiles)
 QUAD = 128      # columns of one activation scale in the kernel (one entry of x_scales)
+SLOTS = 32      # slots a program at most (its selects are [4 x slots, slots]): wider tiles take several programs
 
 
 def source_column(j, fp8: bool):
@@ -37,6 +38,8 @@ def _check(src, row_offset, K: int, block: int):
         raise ValueError(f"tile_operands: {K} columns must be whole scale blocks of {block}, a multiple of {QUAD}")
     if src.ndim != 1 or row_offset.ndim != 2:
         raise ValueError(f"tile_operands: src must be flat and row_offset [T, N], got {src.shape}, {row_offset.shape}")
+    if src.size >= 2 ** 31:
+        raise ValueError(f"tile_operands: {src.size} source elements; int32 row offsets address fewer than 2^31")
 
 
 def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD, interpret=None):
@@ -47,16 +50,17 @@ def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, bloc
     _check(src, row_offset, K, block)
     T, N = row_offset.shape
     G = block // BLOCK                                   # 32-column blocks a program
-    R = 1 << max(0, (G * N - 1).bit_length())            # rows of a program's register tile (a power of two)
+    S = min(N, SLOTS)                                    # slots a program
+    R = 1 << max(0, (G * S - 1).bit_length())            # rows of a program's register tile (a power of two)
+    Sp = 1 << max(0, (S - 1).bit_length())               # slots, padded to a power of two (Triton's ranges)
     Q = block // QUAD
-
-    Np = 1 << max(0, (N - 1).bit_length())               # slots, padded to a power of two (Triton's ranges)
 
     def body(src_ref, off_ref, tiles_ref, *scales_ref):
         t, kb = pl.program_id(0), pl.program_id(1)
         r = iota(R)
-        s, g = r % N, r // N
-        live = r < G * N
+        local, g = r % S, r // S
+        s = pl.program_id(2) * S + local
+        live = (r < G * S) & (s < N)
         off = jnp.where(live, gather(off_ref, t * N + s, mask=live), -1)
         ok = (off >= 0)[:, None]
         j = iota(BLOCK)[None, :]
@@ -66,9 +70,9 @@ def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, bloc
         if not codes:
             plt.store(tiles_ref.at[out_rows, j], part.astype(tiles_ref.dtype), mask=live[:, None])
             return
-        # a slot's amax over its G rows (the whole scale block), back on each of them: selects over [R, Np]
+        # a slot's amax over its G rows (the whole scale block), back on each of them: selects over [R, Sp]
         part = part.astype(jnp.float32)
-        same_slot = s[:, None] == iota(Np)[None, :]
+        same_slot = local[:, None] == iota(Sp)[None, :]
         slot_max = jnp.max(jnp.where(same_slot, jnp.max(jnp.abs(part), axis=1)[:, None], 0.0), axis=0)
         e = quant.fp8_e4m3_exponent_of(jnp.sum(jnp.where(same_slot, slot_max[None, :], 0.0), axis=1))
         plt.store(tiles_ref.at[out_rows, j], quant.fp8_e4m3_codes_at(part, e), mask=live[:, None])
@@ -80,7 +84,7 @@ def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, bloc
     if codes:
         out_shape.append(jax.ShapeDtypeStruct((T * (K // QUAD) * N,), jnp.float32))
     outs = pl.pallas_call(
-        body, out_shape=out_shape, grid=(T, K // block),
+        body, out_shape=out_shape, grid=(T, K // block, pl.cdiv(N, S)),
         compiler_params=triton_params(4, 1), interpret=triton_interpret(interpret),
         name="moe_tile_operands")(src, row_offset.reshape(-1).astype(jnp.int32))
     tiles = outs[0].reshape(T, K // BLOCK, N, BLOCK)
