@@ -15,6 +15,7 @@ from test_kernel_moe_gemm import LIMIT, _case
 from dsjax import quant
 from dsjax.kernels.common import dequant_weight
 from dsjax.kernels.moe_gemm import moe_gemm, mosaic_fp4
+from dsjax.kernels.moe_gemm import route_slots as route_slots_mod
 from dsjax.layers import moe as _moe
 from dsjax.weights import Linear, stored_linear
 
@@ -104,21 +105,22 @@ def _check_mosaic(got, want):
 
 
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,k_splits,pairs,scatter", [(1, 1, 8, False), (8, 1, 8, False), (1, 2, 8, False),
-                                                      (8, 1, 16, True)])
-def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatter, act_quant_sim):
+@pytest.mark.parametrize("n,k_splits,pairs,scatter,route", [
+    (1, 1, 8, False, False), (8, 1, 8, False, False), (1, 2, 8, False, False), (8, 1, 16, True, False),
+    (8, 1, 8, False, True)])
+def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatter, route, act_quant_sim):
     """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8 or 16, x and h codes in the kernel's column
     order, the slots gathered back by compares or — prefill sizes, forced here — by a scatter; K split over two
-    programs where asked) against the reference: duplicate experts across tokens, picks held by another shard, a
-    token with no local expert (`test_kernel_moe_gemm._case`)."""
+    programs where asked; the slots from `route_slots` where asked) against the reference: duplicate experts across
+    tokens, picks held by another shard, a token with no local expert (`test_kernel_moe_gemm._case`)."""
     if scatter:
-        monkeypatch.setattr(mosaic_fp4, "SCATTER_PAIRS", 0)
+        monkeypatch.setattr(route_slots_mod, "SCATTER_PAIRS", 0)
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
     got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic", mosaic_k_splits=k_splits,
-              mosaic_pairs=pairs)
+              mosaic_pairs=pairs, mosaic_route_kernel=route)
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
 
@@ -169,38 +171,43 @@ def test_default_tile_width_follows_an_experts_mean_share():
     assert mosaic_fp4.default_options(6 * 1024, 384) == dict(stages=2, pairs=16)
 
 
-@pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits,pairs", [
-    (256, 4096, 2048, 1, True, 1, None), (256, 4096, 2048, 8, True, 1, None), (384, 5120, 2304, 6, True, 1, None),
-    (256, 4096, 2048, 8, False, 1, None), (384, 5120, 2304, 6, False, 1, None), (256, 4096, 2048, 1, False, 2, None),
-    (256, 4096, 2048, 1024, True, 1, 32), (256, 4096, 2048, 1024, False, 1, 64)])
-def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs):
+@pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits,pairs,route", [
+    (256, 4096, 2048, 1, True, 1, None, False), (256, 4096, 2048, 8, True, 1, None, False),
+    (384, 5120, 2304, 6, True, 1, None, False), (256, 4096, 2048, 8, False, 1, None, False),
+    (384, 5120, 2304, 6, False, 1, None, False), (256, 4096, 2048, 1, False, 2, None, False),
+    (256, 4096, 2048, 1024, True, 1, 32, False), (256, 4096, 2048, 1024, False, 1, 64, False),
+    (256, 4096, 2048, 8, True, 1, None, True)])
+def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route):
     """V4-Flash (decode, 8 tokens; prefill, 1,024) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering,
     including the `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns;
     one Mosaic kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU); K split over two programs;
-    wide tiles (32 and 64 pairs: wgmma's N)."""
+    wide tiles (32 and 64 pairs: wgmma's N); the slots from `route_slots` (a third Triton launch)."""
     S = jax.ShapeDtypeStruct
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
     f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
                                             act_quant_sim=act_quant_sim,
                                             act_quant_block=128, implementation="pallas", interpret=False,
-                                            fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs)
+                                            fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs,
+                                            mosaic_route_kernel=route)
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2
-    assert text.count("__gpu$xla.gpu.triton") == 2 and "moe_tile_operands" in text   # x's and h's A tiles
+    assert text.count("__gpu$xla.gpu.triton") == 2 + route and "moe_tile_operands" in text   # x's and h's A tiles
+    assert ("moe_route_slots" in text) == route
 
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,pairs", [(1, None), (8, None), (40, None), (400, 32)])  # 400: the scatter unsort
-def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pairs, act_quant_sim):
+@pytest.mark.parametrize("n,pairs,route", [(1, None, False), (8, None, False), (40, None, False), (400, 32, False),
+                                           (1, None, True), (8, None, True)])  # 400: the scatter unsort
+def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pairs, route, act_quant_sim):
     """Compiled (the register path: `_register_blocks`, `_scale_column_mgpu`, wgmma): the Mosaic
     op equals the reference and the Triton kernels within `_check_mosaic`'s bound."""
     x, weights, ids, w1, w3, w2 = case = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
-    got = run("pallas", interpret=False, fp4_kernel="mosaic", mosaic_pairs=pairs)
+    got = run("pallas", interpret=False, fp4_kernel="mosaic", mosaic_pairs=pairs, mosaic_route_kernel=route)
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
     _check_mosaic(got, run("pallas", interpret=False, fp4_kernel="triton"))

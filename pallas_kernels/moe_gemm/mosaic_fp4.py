@@ -352,7 +352,6 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
 
 PAIRS = 8           # pairs a tile at decode and verify sizes: wgmma's N
 MAX_PAIRS = 32      # the widest default tile
-SCATTER_PAIRS = 1024  # above this many pairs the unsort is a scatter (the compare matrix grows as pairs x slots)
 
 
 def applies(w1, w2, block_k: int = 256) -> bool:
@@ -380,7 +379,7 @@ def default_options(n_pairs: int, n_experts: int) -> dict:
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
-             interpret=None, codes_kernel: bool = True, pairs: int | None = None):
+             interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -390,8 +389,10 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     GEMMs run on FP8 tensor cores; without, on bf16 ones with the bf16 values. h goes to the down kernel as the up
     kernel stored it ([T, I, N]) and y comes back to its pairs from [T, D, N]: no transposes between. codes_kernel:
     `tile_operands` (one Triton launch each for x and h), else the same in XLA ops (`tile_operands_xla`).
-    k_splits: `tile_gemm`'s, for each GEMM whose K steps it divides (else 1)."""
-    from dsjax.kernels.moe_gemm.pallas_triton import expert_pairs
+    route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
+    XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
+    whose K steps it divides (else 1)."""
+    from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
 
@@ -400,45 +401,24 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
                          f"takes one scale a {QUAD} columns")
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
-    dt = x.dtype
     P = n * k
     defaults = default_options(P, E)
     stages = defaults["stages"] if stages is None else stages
     pairs = defaults["pairs"] if pairs is None else pairs
     if pairs % 8 or not 8 <= pairs <= 256:
         raise ValueError(f"moe_gemm mosaic_fp4: pairs a tile must be a multiple of 8 from 8 to 256, got {pairs}")
-    _, pw, order, tiles = expert_pairs(weights, ids, E, pairs)
-    T = tiles.shape[0]
-    slot = jnp.arange(pairs, dtype=jnp.int32)
-    pair = tiles[:, 1:2] + slot[None, :]                               # [T, N]: the sorted pair of each slot
-    valid = (tiles[:, :1] >= 0) & (pair < tiles[:, 2:3])
-    pair = jnp.where(valid, pair, 0)
     triton_interp = None if interpret is None else bool(interpret)
+    route = route_slots if route_kernel and P <= ROUTE_PAIRS else route_slots_xla
+    sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp)
     tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, interpret=interpret)
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
 
-    token = jnp.zeros_like(pair) if n == 1 else order[pair] // k
-    xt, xs = tiled(x.reshape(-1), jnp.where(valid, token * D, -1), 1, D)
-    pw_sorted = pw if n == 1 else pw[order]
-    h = tile_gemm(xt, xs, tiles[:, 0], [w1, w3], pair_weight=jnp.where(valid, pw_sorted[pair], 0.0),
-                  swiglu_limit=swiglu_limit, k_splits=splits(D), **opts)             # [T, I, N]
-    t_of, s_of = jnp.arange(T, dtype=jnp.int32)[:, None], slot[None, :]
-    ht, hs = tiled(h.reshape(-1), jnp.where(valid, t_of * I * pairs + s_of, -1), pairs, I)   # h's columns as stored
-    y = tile_gemm(ht, hs, tiles[:, 0], [w2], k_splits=splits(I), **opts)                      # [T, D, N]
-
-    # each pair's slot, by its original index. Decode sizes: the one valid slot whose sorted pair it is, by compares
-    # and one gather (the unsort as a scatter was a 35-µs XLA kernel at 8 tokens on the H200); prefill sizes: a
-    # scatter (the compare matrix is pairs x slots: 50M at 1,024 tokens)
-    original = (pair if n == 1 else order[pair]).reshape(-1)
-    slots = jnp.arange(T * pairs, dtype=jnp.int32)
-    if P <= SCATTER_PAIRS:
-        hit = (original[None, :] == jnp.arange(P, dtype=jnp.int32)[:, None]) & valid.reshape(-1)[None, :]
-        slot_of, found = (hit * slots[None, :]).sum(axis=1), hit.any(axis=1)
-    else:
-        target = jnp.where(valid.reshape(-1), original, P)                  # invalid slots: out of bounds, dropped
-        slot_of = jnp.full((P,), -1, jnp.int32).at[target].set(slots, mode="drop")   # -1: no slot (one scatter)
-        slot_of, found = jnp.maximum(slot_of, 0), slot_of >= 0
-    y_pairs = jnp.where(found[:, None], y[slot_of // pairs, :, slot_of % pairs], jnp.zeros((), dt))  # dropped: 0
+    xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
+    h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
+                  k_splits=splits(D), **opts)                                        # [T, I, N]
+    ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I)                             # h's columns as stored
+    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I), **opts)              # [T, D, N]
+    y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)

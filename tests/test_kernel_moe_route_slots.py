@@ -1,0 +1,74 @@
+"""dsjax.kernels.moe_gemm.route_slots: routing -> the Mosaic FP4 op's tile slots in one Triton program (interpret
+mode) against the XLA form (`pallas_triton.expert_pairs` and masks), and the XLA form against a plain reading of
+the contract: every live pair in exactly one slot of a tile of its expert, in each token's ascending-expert order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
+
+E, D, I = 16, 256, 128
+
+
+def _routing(seed, n, k=6):
+    """ids with experts shared across tokens, a repeated pick in a token (weights summed on the first), picks of
+    another shard (weight 0) and, when n > 1, a token with no live pick."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    ids = jax.random.randint(ks[0], (n, k), 0, E // 2 if n > 1 else E)
+    w = jax.random.uniform(ks[1], (n, k), jnp.float32, 0.05, 1.0)
+    ids = ids.at[0, 1].set(ids[0, 4])                                    # a repeat inside token 0
+    w = jnp.where(jax.random.uniform(ks[2], (n, k)) < 0.2, 0.0, w)       # picks held by another shard
+    if n > 1:
+        w = w.at[n - 1].set(0.0)                                         # a token routed to no local expert
+    return w, ids.astype(jnp.int32)
+
+
+@pytest.mark.parametrize("n,pairs", [(1, 8), (3, 8), (8, 8), (8, 16), (10, 24)])
+def test_kernel_equals_xla_form(test_seed, n, pairs):
+    w, ids = _routing(test_seed, n)
+    got = route_slots(w, ids, E, pairs, D, I, interpret=True)
+    want = route_slots_xla(w, ids, E, pairs, D, I)
+    for name in ("experts", "x_offset", "h_offset", "slot_of", "found"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+    # merged repeats: the same fp32 terms summed, maybe in another order (route's top-k never repeats)
+    np.testing.assert_allclose(np.asarray(got.pair_weight), np.asarray(want.pair_weight), rtol=2.0 ** -22)
+
+
+@pytest.mark.parametrize("n,pairs", [(1, 8), (8, 8), (10, 24), (60, 8)])
+def test_xla_form_holds_every_live_pair_once(test_seed, n, pairs):
+    w, ids = _routing(test_seed, n)
+    sl = jax.tree.map(np.asarray, route_slots_xla(w, ids, E, pairs, D, I))
+    k = ids.shape[1]
+    ids_n, w_n = np.asarray(ids), np.asarray(w)
+    for t in range(n):
+        merged = {}
+        for j in range(k):                                                # repeats summed on the first pick
+            merged[ids_n[t, j]] = merged.get(ids_n[t, j], 0.0) + w_n[t, j]
+        live = sorted(e for e, v in merged.items() if v != 0)
+        pairs_t = [(e, j) for j, e in enumerate(sorted(ids_n[t]))]        # the token's pairs, ascending experts
+        seen = set()
+        for p in range(t * k, (t + 1) * k):
+            e = pairs_t[p - t * k][0]
+            first = pairs_t.index((e, next(j for j, (e2, _) in enumerate(pairs_t) if e2 == e)))
+            is_live = e in live and p - t * k == first
+            assert sl.found[p] == is_live, (t, p)
+            if not is_live:
+                continue
+            tile, slot = divmod(int(sl.slot_of[p]), pairs)
+            assert sl.experts[tile] == e and sl.x_offset[tile, slot] == t * D
+            assert sl.h_offset[tile, slot] == tile * I * pairs + slot
+            assert sl.pair_weight[tile, slot] == np.float32(merged[e])
+            seen.add((tile, slot))
+        assert len(seen) == len(live)
+    used = sl.x_offset >= 0
+    assert used.sum() == sl.found.sum()                                   # no other slot is filled
+    assert (sl.pair_weight[~used] == 0).all() and (sl.h_offset[~used] == -1).all()
+    assert ((sl.experts >= 0) == used.any(axis=1)).all()
+
+
+def test_refuses_more_pairs_than_a_program_maps():
+    w, ids = _routing(0, ROUTE_PAIRS // 6 + 1)
+    with pytest.raises(ValueError, match="at most"):
+        route_slots(w, ids, E, 8, D, I, interpret=True)
