@@ -34,10 +34,33 @@ def index_weights(x, w: Indexer, cfg: ModelConfig):
     return round_to(matmul(x, w.weights_proj.astype(dt), dt).astype(jnp.float32) * scale, dt)
 
 
-def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig):
-    """x [b,s,D], q [b,s,nh,dh], keys [b,T,dh] (the index-key cache) -> scores [b,s,T] in the compute dtype."""
-    dt = x.dtype
+# The per-head products [b, s, nh, T] are the largest array of a prefill chunk at long context (1,024 queries x
+# 32 heads x 1M keys in bf16 = 64 GiB). Above this many bytes the keys are scored in blocks of the size that keeps
+# them below it, so any prompt length runs in bounded memory (issue 9). Below it (every size measured so far: a
+# 128k prompt's chunk is 8 GiB) the one-shot form stays.
+PRODUCTS_BYTES = 16 << 30
+
+
+def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig, *, max_products_bytes: int | None = None):
+    """x [b,s,D], q [b,s,nh,dh], keys [b,T,dh] (the index-key cache) -> scores [b,s,T] in the compute dtype.
+    Each key's score is the same computation however the keys are blocked (`key_block_scores`)."""
     weights = index_weights(x, w, cfg)
+    b, s, nh, _ = q.shape
+    T = keys.shape[1]
+    limit = PRODUCTS_BYTES if max_products_bytes is None else max_products_bytes
+    per_key = b * s * nh * jnp.dtype(x.dtype).itemsize
+    if per_key * T <= limit:
+        return key_block_scores(q, keys, weights, x.dtype)
+    block = max(1, limit // per_key)
+    n = -(-T // block)
+    padded = jnp.pad(keys, ((0, 0), (0, n * block - T), (0, 0))).reshape(b, n, block, keys.shape[2])
+    blocks = jax.lax.map(lambda k: key_block_scores(q, k, weights, x.dtype), jnp.moveaxis(padded, 1, 0))
+    return jnp.moveaxis(blocks, 0, 2).reshape(b, s, n * block)[:, :, :T]   # [n, b, s, block] -> [b, s, T]
+
+
+def key_block_scores(q, keys, weights, dt):
+    """The scores of q [b,s,nh,dh] against keys [b,t,dh] with head weights [b,s,nh]: Σ_h relu(q_h · k) · w_h, each
+    step rounded to dt where the reference rounds it."""
     s = round_to(einsum_acc32("bshd,btd->bsht", q, keys), dt)
     s = round_to(jnp.maximum(s, 0).astype(jnp.float32) * weights[..., None].astype(jnp.float32), dt)
     return round_to(jnp.sum(s.astype(jnp.float32), axis=2), dt)
