@@ -257,6 +257,11 @@ def triton_params(num_warps: int, num_stages: int):
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def pow2_ceil(n: int) -> int:
+    """The smallest power of two >= n (at least 1): Triton's ranges and register tiles are powers of two."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def dot_tile(n: int) -> int:
     """The smallest tile of >= n rows `tl.dot` takes: a power of two, at least 16 (heads are padded to it)."""
     return max(16, 1 << math.ceil(math.log2(n)))

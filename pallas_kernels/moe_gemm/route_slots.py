@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsjax.kernels.common import gather, iota, triton_interpret, triton_params
+from dsjax.kernels.common import gather, iota, pow2_ceil, triton_interpret, triton_params
 
 ROUTE_PAIRS = 64     # pairs one program maps ([P, P] compares: 8 tokens of top-6 are 48)
 SCATTER_PAIRS = 1024  # above this many pairs the XLA form's unsort is a scatter (the compare matrix is pairs x slots)
@@ -71,8 +71,7 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
     P, N, E = n * k, pairs, n_experts
     if P > ROUTE_PAIRS:
         raise ValueError(f"route_slots: {P} pairs; one program maps at most {ROUTE_PAIRS} (use route_slots_xla)")
-    Pp = 1 << max(0, (P - 1).bit_length())
-    Np = 1 << max(0, (N - 1).bit_length())
+    Pp, Np = pow2_ceil(P), pow2_ceil(N)
 
     def body(ids_ref, w_ref, experts_ref, x_ref, h_ref, pw_ref, slot_ref, found_ref):
         a = iota(Pp)

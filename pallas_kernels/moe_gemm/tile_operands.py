@@ -17,10 +17,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsjax import quant
-from dsjax.kernels.common import gather, iota, triton_interpret, triton_params
+from dsjax.kernels.common import gather, iota, pow2_ceil, triton_interpret, triton_params
+from dsjax.kernels.moe_gemm.mosaic_fp4 import BLOCK, QUAD, mma_columns   # a K block (x_tiles' rows); a scale's columns
 
-BLOCK = 32      # columns of one MMA K block (one row of x_tiles)
-QUAD = 128      # columns of one activation scale in the kernel (one entry of x_scales)
 SLOTS = 32      # slots a program at most (its selects are [4 x slots, slots]): wider tiles take several programs
 
 
@@ -51,8 +50,8 @@ def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, bloc
     T, N = row_offset.shape
     G = block // BLOCK                                   # 32-column blocks a program
     S = min(N, SLOTS)                                    # slots a program
-    R = 1 << max(0, (G * S - 1).bit_length())            # rows of a program's register tile (a power of two)
-    Sp = 1 << max(0, (S - 1).bit_length())               # slots, padded to a power of two (Triton's ranges)
+    R = pow2_ceil(G * S)                                 # rows of a program's register tile
+    Sp = pow2_ceil(S)                                    # slots, padded to a power of two (Triton's ranges)
     Q = block // QUAD
 
     def body(src_ref, off_ref, tiles_ref, *scales_ref):
@@ -95,8 +94,6 @@ def tile_operands_xla(src, row_offset, col_stride: int, K: int, *, codes: bool, 
                       interpret=None):
     """`tile_operands`' contract in XLA ops: gather the rows, quantize them (`quant.fp8_e4m3_codes`), move the
     columns (`mosaic_fp4.mma_columns`) and the axes."""
-    from dsjax.kernels.moe_gemm.mosaic_fp4 import mma_columns
-
     del interpret
     _check(src, row_offset, K, block)
     T, N = row_offset.shape
