@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
+from dsjax.kernels.moe_gemm.xla import merged_pair_weights
 
 E, D, I = 16, 256, 128
 
@@ -38,30 +39,28 @@ def test_kernel_equals_xla_form(test_seed, n, pairs):
 
 @pytest.mark.parametrize("n,pairs", [(1, 8), (8, 8), (10, 24), (60, 8)])
 def test_xla_form_holds_every_live_pair_once(test_seed, n, pairs):
+    """Pair p = token t's picks in ascending expert order; a live pair is the first pick of an expert whose merged
+    weight (`xla.merged_pair_weights`: the fp32 sums the op defines) is not 0."""
     w, ids = _routing(test_seed, n)
     sl = jax.tree.map(np.asarray, route_slots_xla(w, ids, E, pairs, D, I))
+    merged = np.asarray(merged_pair_weights(w, ids))
     k = ids.shape[1]
-    ids_n, w_n = np.asarray(ids), np.asarray(w)
     for t in range(n):
-        merged = {}
-        for j in range(k):                                                # repeats summed on the first pick
-            merged[ids_n[t, j]] = merged.get(ids_n[t, j], 0.0) + w_n[t, j]
-        live = sorted(e for e, v in merged.items() if v != 0)
-        pairs_t = [(e, j) for j, e in enumerate(sorted(ids_n[t]))]        # the token's pairs, ascending experts
+        picks = list(np.asarray(ids[t]))
+        in_order = sorted(picks)
         seen = set()
-        for p in range(t * k, (t + 1) * k):
-            e = pairs_t[p - t * k][0]
-            first = pairs_t.index((e, next(j for j, (e2, _) in enumerate(pairs_t) if e2 == e)))
-            is_live = e in live and p - t * k == first
+        for place, e in enumerate(in_order):
+            p, weight = t * k + place, merged[t, picks.index(e)]
+            is_live = place == in_order.index(e) and weight != 0
             assert sl.found[p] == is_live, (t, p)
             if not is_live:
                 continue
             tile, slot = divmod(int(sl.slot_of[p]), pairs)
             assert sl.experts[tile] == e and sl.x_offset[tile, slot] == t * D
             assert sl.h_offset[tile, slot] == tile * I * pairs + slot
-            assert sl.pair_weight[tile, slot] == np.float32(merged[e])
+            assert sl.pair_weight[tile, slot] == weight
             seen.add((tile, slot))
-        assert len(seen) == len(live)
+        assert len(seen) == len({e for j, e in enumerate(picks) if merged[t, j] != 0})
     used = sl.x_offset >= 0
     assert used.sum() == sl.found.sum()                                   # no other slot is filled
     assert (sl.pair_weight[~used] == 0).all() and (sl.h_offset[~used] == -1).all()
