@@ -7,7 +7,8 @@ chunk, every GPU kernel's time attributed to the line of dsjax that made it. The
 Traces go to OUT/{decode,verify,prefill}/ (TensorBoard / Perfetto); the summary, OUT/profile.json and
 OUT/profile.md, lists per step kind the kernels by total time and the time per dsjax source file and line.
 Kernels are matched to HLO instructions by name in the optimised HLO that XLA dumps (`--dump`), whose metadata
-holds the source line; without a dump only kernel names are listed.
+holds the source line; without a dump only kernel names are listed. XLA's command buffers are off in this
+process (`no_command_buffers`), so every kernel is its own event.
 """
 
 from __future__ import annotations
@@ -201,6 +202,15 @@ def profile_prefill(model, out_dir: str, *, chunk: int, context: int, reps: int 
     return reps
 
 
+def no_command_buffers() -> None:
+    """Turn XLA's command buffers (CUDA graphs) off for this process unless XLA_FLAGS says otherwise: inside one,
+    a trace shows a single `command_buffer_N` event for all its kernels, which names no source. Call before JAX
+    starts its GPU backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_command_buffer=").strip()
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Profile of {report['model']} ({report['kernels']} kernels), {report['date']}", ""]
     for kind, r in report["steps"].items():
@@ -222,13 +232,14 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="auto", type=kernels_arg, help=KERNELS_HELP)
     p.add_argument("--context", type=int, default=4096, help="context of the decode / verify steps")
     p.add_argument("--k", type=int, default=5, help="draft length of the verify step (0: skip it)")
-    p.add_argument("--steps", type=int, default=16, help="loop steps traced per dispatch")
+    p.add_argument("--steps", type=int, default=16, help="loop steps traced per dispatch (0: skip the decode and verify steps)")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk traced (0: skip)")
     p.add_argument("--prefill-context", type=int, default=8192, help="position the prefill chunk ends at")
     p.add_argument("--dump", default=None, help="the --xla_dump_to directory of this run (source attribution)")
     p.add_argument("--out-dir", default="profile")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    no_command_buffers()
 
     from dsjax.bench.report import run_info
     from dsjax.bench.slices import slice_model
@@ -236,9 +247,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     model = slice_model(args.model, kernels=args.kernels, max_seq_len=max(args.context, args.prefill_context) + 512)
     report = dict(run_info("profile", argv), model=args.model, kernels=args.kernels, steps={})
-    plan = [("decode", lambda d: profile_loop(model, d, k=0, context=args.context, steps=args.steps),
-             f"batch 1, context {args.context}")]
-    if args.k:
+    plan = []
+    if args.steps:
+        plan.append(("decode", lambda d: profile_loop(model, d, k=0, context=args.context, steps=args.steps),
+                     f"batch 1, context {args.context}"))
+    if args.steps and args.k:
         plan.append(("verify", lambda d: profile_loop(model, d, k=args.k, context=args.context, steps=args.steps),
                      f"MTP k={args.k} draft + verify of {args.k + 1}, every draft accepted (simulated), context {args.context}"))
     if args.chunk:
