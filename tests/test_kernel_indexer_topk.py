@@ -75,6 +75,30 @@ def test_matches_reference(test_seed, implementation, compact):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp4rows"])
+def test_mosaic_rows_per_program(test_seed, rows, compact):
+    """Several query rows a program (the prefill form): the same scores as one row a program, bit for bit,
+    including a program whose rows see different ranges (tiles past its furthest row are -inf) and the padding
+    of Q (3 or 5 rows) to a multiple of the rows a program."""
+    from dsjax.kernels.indexer_topk import pallas_gpu
+    _, _, q, _, stored, weights, n_visible = _case(test_seed + 2, compact)
+    q5, w5 = jnp.concatenate([q, q[:, :2]], axis=1), jnp.concatenate([weights, weights[:, :2]], axis=1)
+    nv5 = jnp.concatenate([n_visible, jnp.array([[64, 0], [1, 130]], jnp.int32)], axis=1)
+    for qq, ww, nv in ((q, weights, n_visible), (q5, w5, nv5)):
+        run = lambda r: np.asarray(pallas_gpu.index_scores(qq, ww, stored, nv, FMT, block_n=64, rows_per_program=r,
+                                                           interpret=INTERPRET))
+        one, many = run(1), run(rows)
+        assert many.shape == one.shape == (qq.shape[0], qq.shape[1], stored.shape[1])
+        reach = np.asarray(nv).reshape(qq.shape[0], -1)
+        for b in range(qq.shape[0]):
+            for i in range(qq.shape[1]):
+                group = reach[b, i - i % rows: i - i % rows + rows].max()    # the program's furthest row
+                live = -(-int(reach[b, i]) // 64) * 64                       # tiles a row alone computes
+                np.testing.assert_array_equal(many[b, i, :live], one[b, i, :live])
+                assert np.all(many[b, i, -(-group // 64) * 64:] == -np.inf)
+
+
 def test_two_stage_topk_at_1m_context(test_seed):
     """262,144 entries (1M tokens at ratio 4), top-512, scores drawn from 64 values so ties are everywhere."""
     rng = np.random.default_rng(test_seed)

@@ -30,3 +30,21 @@ def indexer_topk(q, weights, keys, n_visible, k: int, *, row_format: IndexRowFor
         return xla.indexer_topk(*args, row_format=row_format, tile=tile)
     module = pick_backend(kernel_options, {"triton": pallas_triton, "mosaic": pallas_gpu})
     return module.indexer_topk(*args, row_format=row_format, tile=tile, **kernel_options)
+
+
+def index_scores(q, weights, keys, n_visible, *, row_format: IndexRowFormat = IndexRowFormat(),
+                 implementation: str = "xla", **kernel_options):
+    """The scores alone, fp32 [B, Q, N] holding compute-dtype values, for callers that work on them before the
+    top-k (V4.1's candidate blocks) or pick over a whole prefill chunk. Arguments as `indexer_topk`'s. Entries
+    past a query's n_visible are undefined (a kernel writes -inf in tiles no row of its program sees): mask them.
+
+    implementation "pallas": the Mosaic GPU kernel unless backend="triton"; its `rows_per_program` (default
+    `pallas_gpu.default_rows`) sets how many query rows share each key tile."""
+    impl = check_implementation(implementation)
+    if impl == "reference":
+        return reference.index_scores(q, weights, keys, row_format).astype("float32")
+    if impl == "xla":
+        return xla.index_scores(q, weights, keys, row_format)
+    kernel_options.setdefault("backend", "mosaic")
+    module = pick_backend(kernel_options, {"triton": pallas_triton, "mosaic": pallas_gpu})
+    return module.index_scores(q, weights, keys, n_visible, row_format, **kernel_options)
