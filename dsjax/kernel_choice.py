@@ -32,8 +32,9 @@ def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int, entries: i
         return rows >= 32 and chunk <= 16
     if op == "moe_gemm":        # FP4: 2.5-3.1x at 1-8 tokens, 19x at 1024; FP8 2.3x / 3.7x, bf16 1.95x / 3.0x at
         return True             # 1 / 8 tokens (12-01, after the tile map's searchsorted loop went)
-    if op == "indexer_topk":    # 1M context: 1.30x at 1 slot x 6 queries, 0.94x at 32 slots
-        return rows <= 8
+    if op == "indexer_topk":    # 1M context: 1.30x at 1 slot x 6 queries, 0.94x at 32 slots; a prefill chunk's
+        # scores (`layers.chunk_indexer`, 12-04): 4.6x at 1,024 queries x 64k-128k keys, 32 or 64 heads
+        return rows <= 8 or chunk >= 64
     if op == "quant_linear":    # FP8 at ≤ 32 rows (`_covers`): wq_b 3.3-3.65x; the step -14% / -7.5% (V4-Flash
         # slice), -22% / -13% (V4.1 slice). Small projections are launch-bound either way (0.87-1.8x)
         return fmt == "fp8"

@@ -174,3 +174,14 @@ def test_auto_prefill_attention_rule():
     shared entries) and keeps XLA for HCA over a 1M cache (8,192 entries: the kernel 0.79x)."""
     faster = lambda entries: kernel_choice._measured_faster("chunk_attention", 2048, None, 1024, entries)  # noqa: E731
     assert faster(0) and faster(1024) and not faster(8192)
+
+
+def test_auto_indexer_rule():
+    """The indexer kernels where measured faster on the H200: decode-sized calls (≤ 8 rows: scoring + top-k)
+    and prefill chunks of ≥ 64 tokens (`layers.chunk_indexer`: the scores); not verify-sized batches in between
+    (32 slots x 6 queries: 0.94x). Off the GPU, "auto" keeps XLA."""
+    faster = lambda rows, chunk: kernel_choice._measured_faster("indexer_topk", rows, None, chunk, 0)  # noqa: E731
+    assert faster(6, 6) and faster(1024, 1024) and faster(2048, 1024) and not faster(192, 6)
+    cfg = dsjax.config.preset("tiny-v4").replace(kernels="auto")
+    want = "pallas" if jax.default_backend() == "gpu" else "xla"
+    assert kernel_choice.choose(cfg, "indexer_topk", rows=1024, chunk=1024, dtype=jnp.bfloat16) == want

@@ -19,7 +19,8 @@ from dsjax import kv_rows, quant
 from dsjax.config import ModelConfig
 from dsjax.kernel_choice import choose
 from dsjax.layers.compressor import compress_chunk
-from dsjax.layers.indexer import index_queries, index_scores, select_topk
+from dsjax.layers.chunk_indexer import chunk_index_scores
+from dsjax.layers.indexer import index_queries, select_topk
 from dsjax.layers.linear import einsum_acc32, linear
 from dsjax.layers.norms import rms_norm, weightless_head_norm
 from dsjax.layers.rope import apply_rope, rope_angles
@@ -192,8 +193,8 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
         visible = compressed_visible(q_pos, n_entries, ratio)                       # [B,T,N]
         c_valid = visible
         if w.indexer is not None:
-            index_keys = kv_rows.load_index(new.index.entries, cfg)
-            scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index_keys, w.indexer, cfg), x, iq)
+            scores = chunk_index_scores(x, iq, w.indexer, cfg, new.index.entries, kv_rows.load_index,
+                                        (q_pos + 1) // ratio)
             chosen, chosen_ok = select_topk(scores, visible, cfg.index_topk)
             c_valid = picked_mask(chosen, chosen_ok, n_entries) if dense else chosen_ok
         if dense:

@@ -23,7 +23,7 @@ from dsjax.sharding import active_mesh
 from dsjax.kernels import sparse_mqa
 from dsjax.kernels.common import Fp4RowFormat, MainRowFormat
 from dsjax.layers.attention import compressed_visible, output_projection, sink_attention, update_ring, window_keys
-from dsjax.layers.indexer import index_scores
+from dsjax.layers.chunk_indexer import chunk_index_scores
 from dsjax.layers.linear import linear, matmul
 from dsjax.layers.norms import rms_norm
 from dsjax.layers.rope import apply_rope, rope_angles
@@ -190,9 +190,9 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         N = src.entries.shape[1]
         visible = compressed_visible(q_pos, N, ratio)                                # [B,T,N]
         if w.indexer is not None:
-            index_keys = v41_rows.load_index(_index_keys_for(shared, src, cfg, N), cfg)
-            scores = per_token(cfg, lambda x, iq: index_scores(x, iq, index_keys, w.indexer, cfg), x, iq)
-            scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+            scores = chunk_index_scores(x, iq, w.indexer, cfg, _index_keys_for(shared, src, cfg, N),
+                                        v41_rows.load_index, (q_pos + 1) // ratio)
+            scores = jnp.where(visible, scores, -jnp.inf)
             if layer == cfg.candidate_source_layer:
                 shared["candidates"] = candidate_blocks(scores, (q_pos + 1) // ratio, cfg.candidate_topk_blocks,
                                                         cfg.candidate_block_size)
