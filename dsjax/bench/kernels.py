@@ -350,6 +350,36 @@ def bench_indexer(emit, sweep: bool, smoke: bool = False):
                 emit(dict(op="indexer_topk", batch=B, impl="pallas", options={"backend": backend}, error=repr(e)[:800]))
 
 
+def bench_indexer_chunk(emit, sweep: bool, smoke: bool = False):
+    """A prefill chunk's index scores (1,024 queries against a long context's keys, every key visible: the chunk
+    that ends there): XLA (the model's path) against the Mosaic kernel at 1-8 query rows a program, keys as bf16
+    values and as the 68-byte FP4 rows the cache stores; then the top-k XLA runs on them (`lax.top_k`), for scale.
+    V4.1's 32 index heads and V4's 64 (128 dims each); TFLOP/s of 2·Q·heads·128·N against torch's matmul."""
+    fmt = IndexRowFormat()
+    cases = [(128, 32, 16)] if smoke else [(N, nh, 1024) for nh in (32, 64) for N in (65536, 131072)]
+    for N, nh, Q in cases:
+        ks = jax.random.split(jax.random.key(2), 3)
+        q = quant.fp4_e2m1_sim(jax.random.normal(ks[0], (1, Q, nh, fmt.dim), jnp.float32), fmt.block)
+        q = q.astype(jnp.bfloat16)
+        w = (jax.random.normal(ks[1], (1, Q, nh), jnp.float32) * 0.1).astype(jnp.bfloat16)
+        values = quant.fp4_e2m1_sim(jax.random.normal(ks[2], (1, N, fmt.dim), jnp.float32), fmt.block)
+        rows = kv_rows.pack_index(values.astype(jnp.bfloat16),
+                                  type("C", (), dict(index_head_dim=fmt.dim, index_quant_block=fmt.block)))
+        nv = jnp.full((1, Q), N, jnp.int32)
+        flops = 2 * Q * nh * fmt.dim * N
+        for keys, kind in ((values.astype(jnp.bfloat16), "bf16"), (rows, "fp4rows")):
+            run = lambda impl, **o: jax.jit(functools.partial(indexer_topk.index_scores, row_format=fmt,  # noqa: E731
+                                                              implementation=impl, **o))
+            configs = [{}] if smoke else [dict(rows_per_program=r) for r in (8, 4, 2, 1) if r * nh <= 256]
+            side_by_side(emit, run, (q, w, keys, nv), dict(op="indexer_chunk_scores", heads=nh, queries=Q,
+                                                           entries=N, keys=kind, flops=flops),
+                         keys.nbytes + q.nbytes, configs)
+        scores = jax.jit(lambda q, w, k, nv: indexer_topk.index_scores(q, w, k, nv, row_format=fmt))(q, w, rows, nv)
+        topk = jax.jit(lambda s: jax.lax.top_k(s, min(512, N)))
+        emit(dict(op="indexer_chunk_topk", heads=nh, queries=Q, entries=N, impl="xla (lax.top_k, k=512)",
+                  us=time_us(topk, scores, calls=5)))
+
+
 # ----------------------------------------------------------------------------- MoE expert GEMM
 
 def expert_stack(key, E, out, inn, fmt):
@@ -501,8 +531,9 @@ def moe_option_list(text: str) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="moe,mqa,indexer,chunk,mhc,linear,head",
-                   help="comma-separated: moe, mqa, indexer, chunk, mhc, linear, head")
+    p.add_argument("--ops", default="moe,mqa,indexer,indexer_chunk,chunk,mhc,linear,head",
+                   help="comma-separated: moe, mqa, indexer, indexer_chunk (a prefill chunk's index scores), chunk, "
+                        "mhc, linear, head")
     p.add_argument("--sweep", action="store_true", help="also time a grid of kernel block sizes")
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check that the script runs)")
@@ -518,7 +549,7 @@ def main(argv=None) -> int:
                         '\'[{"block_m": 1, "num_warps": 8}, {"block_k": 256}]\' (keys: moe_gemm\'s Pallas options)')
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    ops = ("moe", "mqa", "indexer", "chunk", "mhc", "linear", "head")
+    ops = ("moe", "mqa", "indexer", "indexer_chunk", "chunk", "mhc", "linear", "head")
     unknown = [op for op in args.ops.split(",") if op not in ops]
     if unknown:
         p.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(ops)}")
@@ -546,7 +577,8 @@ def main(argv=None) -> int:
     emit(head)
     moe = functools.partial(bench_moe, fmts=tuple(args.moe_formats.split(",")),
                             only_tokens=args.moe_tokens, extra=args.moe_configs, activations=args.moe_activations)
-    bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "chunk": bench_chunk, "mhc": bench_mhc,
+    bench = {"moe": moe, "mqa": bench_mqa, "indexer": bench_indexer, "indexer_chunk": bench_indexer_chunk,
+             "chunk": bench_chunk, "mhc": bench_mhc,
              "linear": bench_linear, "head": bench_head}
     for op in args.ops.split(","):
         bench[op](emit, args.sweep, args.smoke)
