@@ -23,6 +23,7 @@ from dsjax.sharding import active_mesh
 from dsjax.kernels import sparse_mqa
 from dsjax.kernels.common import Fp4RowFormat, MainRowFormat
 from dsjax.layers.attention import compressed_visible, output_projection, sink_attention, update_ring, window_keys
+from dsjax.layers import radix_topk
 from dsjax.layers.chunk_indexer import chunk_index_scores
 from dsjax.layers.linear import linear, matmul
 from dsjax.layers.norms import rms_norm
@@ -144,13 +145,14 @@ def candidate_blocks(scores, compress_len, topk_blocks: int, block_size: int):
     return jnp.repeat(keep, block_size, axis=-1)[..., :N]
 
 
-def select_topk(scores, visible, k: int):
+def select_topk(scores, visible, k: int, *, bf16_values: bool = False):
     """Top-k entries per query, ties toward the lower index: (indices int32 [..., k'], valid [..., k']).
 
     As the reference, a pick is valid when the entry is visible — even at -inf, which happens in a Reindex layer
-    whose candidates hold fewer than k visible entries: it then attends to the lowest-index others."""
+    whose candidates hold fewer than k visible entries: it then attends to the lowest-index others. bf16_values:
+    the scores are bf16 values (`radix_topk.top_k` may then skip the sort, with the same result)."""
     k = min(k, scores.shape[-1])
-    _, idx = jax.lax.top_k(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), k)
+    _, idx = radix_topk.top_k(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), k, bf16_values=bf16_values)
     return idx.astype(jnp.int32), jnp.take_along_axis(visible, idx, axis=-1)
 
 
@@ -198,7 +200,8 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
                                                         cfg.candidate_block_size)
             elif 0 <= cfg.candidate_source_layer < layer:
                 scores = jnp.where(shared["candidates"], scores, -jnp.inf)
-            shared["topk"] = select_topk(scores, visible, cfg.index_topk)
+            shared["topk"] = select_topk(scores, visible, cfg.index_topk,
+                                         bf16_values=jnp.dtype(cfg.compute_dtype) == jnp.bfloat16)
         assert index_source_of(cfg, layer) >= 0, f"layer {layer} has no index source before it"
         chosen, chosen_ok = shared["topk"]
     if T <= 16 and choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype, fmt="v41-rows",

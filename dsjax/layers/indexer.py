@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from dsjax import quant
 from dsjax.config import ModelConfig
+from dsjax.layers import radix_topk
 from dsjax.layers.linear import einsum_acc32, linear, matmul
 from dsjax.layers.rope import apply_rope
 from dsjax.weights import Indexer
@@ -66,13 +67,14 @@ def key_block_scores(q, keys, weights, dt):
     return round_to(jnp.sum(s.astype(jnp.float32), axis=2), dt)
 
 
-def select_topk(scores, visible, k: int):
+def select_topk(scores, visible, k: int, *, bf16_values: bool = False):
     """Top-k visible entries per query: (indices int32 [b,s,k'], valid [b,s,k']), k' = min(k, T).
 
     Ties break toward the lower index (`lax.top_k`), as DeepSeek's goldens assume; picks beyond the visible
-    entries come back marked invalid.
+    entries come back marked invalid. bf16_values: the scores are bf16 values (`radix_topk.top_k` may then skip
+    the sort, with the same result).
     """
     k = min(k, scores.shape[-1])
     masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-    top, idx = jax.lax.top_k(masked, k)
+    top, idx = radix_topk.top_k(masked, k, bf16_values=bf16_values)
     return idx.astype(jnp.int32), jnp.isfinite(top)

@@ -1,0 +1,66 @@
+"""The exact top-k of bf16-valued scores without a sort over the row: `lax.top_k`'s result, order and ties included.
+
+The indexer's scores are bf16 values (held in fp32, -inf where masked), so each maps to a 16-bit key that orders
+as the values do (fp32's total order: -0 below +0, as `lax.top_k` orders them). The k-th largest key τ is found
+by a binary search over the 16 bits, one fused compare-and-count pass over the row a bit; the keys above τ and
+the first (in index order) of those equal to τ make exactly k, compacted in index order by a prefix sum and one
+scatter; a top-k over those k values then puts them in `lax.top_k`'s order (descending, ties to the lower index,
+which the compaction's index order gives). A prefill chunk's rows are 64k-1M entries with k = 512, where
+`lax.top_k` sorts: on the H200, 1,024 rows of 131,072 entries take 8.9 ms that way and 5.3 ms this way (65,536:
+4.9 and 2.9 ms), with the same indices (docs/benchmarks.md). On CPU it is slower (5x at 64 rows): `top_k` takes
+it only on a GPU and for rows of at least `RADIX_MIN_ENTRIES`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+KEY_BITS = 16
+RADIX_MIN_ENTRIES = 65536      # the shortest rows timed (1.7x there); decode-sized rows keep lax.top_k
+
+
+def top_k(scores, k: int, *, bf16_values: bool):
+    """`lax.top_k(scores, k)`; through `top_k_bf16` where it was measured faster (a GPU, rows of at least
+    RADIX_MIN_ENTRIES) and the scores are bf16 values (`bf16_values`: the caller's compute dtype is bf16)."""
+    if bf16_values and scores.shape[-1] >= RADIX_MIN_ENTRIES and jax.default_backend() == "gpu":
+        return top_k_bf16(scores, k)
+    return jax.lax.top_k(scores, k)
+
+
+def sort_keys(scores):
+    """fp32 holding bf16 values -> int32 keys in [0, 2^16) ordered as fp32's total order orders the values."""
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.uint32) >> 16
+    bits = bits.astype(jnp.int32)
+    return jnp.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)
+
+
+def kth_key(keys, k: int):
+    """The k-th largest key of each row (with multiplicity): the largest c with count(keys >= c) >= k."""
+    def bit(i, tau):
+        cand = tau | (1 << (KEY_BITS - 1 - i))
+        count = jnp.sum(keys >= cand[..., None], axis=-1, dtype=jnp.int32)
+        return jnp.where(count >= k, cand, tau)
+
+    return jax.lax.fori_loop(0, KEY_BITS, bit, jnp.zeros(keys.shape[:-1], jnp.int32))
+
+
+def top_k_bf16(scores, k: int):
+    """(values, int32 indices) [..., k] of scores [..., N] (bf16 values in fp32, k <= N): `lax.top_k(scores, k)`
+    exactly, for scores that are bf16 values."""
+    n = scores.shape[-1]
+    if not 0 < k <= n:
+        raise ValueError(f"top_k_bf16: k must be in 1..{n}, got {k}")
+    keys = sort_keys(scores)
+    tau = kth_key(keys, k)[..., None]
+    above = keys > tau
+    ties = keys == tau
+    room = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)     # >= 1 ties to take, lowest index first
+    take = above | (ties & (jnp.cumsum(ties, axis=-1, dtype=jnp.int32) <= room))
+    slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, k)   # k: dropped
+    lead = scores.shape[:-1]
+    flat_slot = slot.reshape(-1, n)
+    rows = jnp.arange(flat_slot.shape[0], dtype=jnp.int32)
+    picked = jnp.zeros((flat_slot.shape[0], k), jnp.int32).at[rows[:, None], flat_slot].set(
+        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), flat_slot.shape), mode="drop")
+    picked = picked.reshape(lead + (k,))                                       # ascending indices
+    top, order = jax.lax.top_k(jnp.take_along_axis(scores, picked, axis=-1), k)
+    return top, jnp.take_along_axis(picked, order, axis=-1)
