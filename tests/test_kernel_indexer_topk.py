@@ -151,3 +151,17 @@ def test_unknown_backend_is_a_clear_error():
     _, _, q, _, stored, weights, n_visible = _case(0, False)
     with pytest.raises(ValueError, match="backend must be one of .*'cuda'"):
         indexer_topk(q, weights, stored, n_visible, 8, row_format=FMT, implementation="pallas", backend="cuda")
+
+
+@pytest.mark.parametrize("nh,rows", [(32, 4), (64, 2), (32, 8)])
+def test_chunk_scoring_lowers_for_h200(nh, rows):
+    """A prefill chunk's shapes (1,024 queries, 128k bf16 keys) with several rows a program lower through Mosaic
+    GPU for CUDA: the [rows, nh, dh] q buffer, one wgmma a row, the [rows, block_n] score tile."""
+    from dsjax.kernels.indexer_topk import pallas_gpu
+    fmt, (B, Q, dh, N) = IndexRowFormat(), (1, 1024, 128, 131072)
+    S = jax.ShapeDtypeStruct
+    text = lower_for_h200(lambda q, w, k, nv: pallas_gpu.index_scores(q, w, k, nv, fmt, rows_per_program=rows,
+                                                                       interpret=False),
+                          S((B, Q, nh, dh), jnp.bfloat16), S((B, Q, nh), jnp.bfloat16), S((B, N, dh), jnp.bfloat16),
+                          S((B, Q), jnp.int32))
+    assert "mosaic_gpu" in text
