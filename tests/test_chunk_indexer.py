@@ -61,3 +61,18 @@ def test_short_chunks_keep_xla(test_seed):
     out = chunk_index_scores(x, iq, w, cfg, stored, v41_rows.load_index, jnp.full((1, 6), 64, jnp.int32))
     assert out.shape == (1, 6, 64) and out.dtype == jnp.float32
     assert kernel_choice.choices().get("indexer_topk", []) == before.get("indexer_topk", [])
+
+
+def test_under_a_mesh_keeps_xla(monkeypatch):
+    """Under a device mesh the scores stay on XLA (GSPMD does not split a pallas_call), even under "pallas"."""
+    from dsjax.layers import chunk_indexer
+    monkeypatch.setattr(chunk_indexer, "active_mesh", lambda: object())
+    cfg = preset("tiny-v41").with_numerics("reference-bf16").replace(kernels="pallas")
+    w = next(l.attn.indexer for l in init_params(cfg, 0).layers if getattr(l.attn, "indexer", None) is not None)
+    T = KERNEL_CHUNK
+    x = jnp.ones((1, T, cfg.dim), jnp.bfloat16)
+    iq = jnp.ones((1, T, cfg.index_n_heads, cfg.index_head_dim), jnp.bfloat16)
+    stored = v41_rows.store_index(jnp.ones((1, 64, cfg.index_head_dim), jnp.bfloat16), cfg)
+    chunk_index_scores(x, iq, w, cfg, stored, v41_rows.load_index, jnp.full((1, T), 64, jnp.int32))
+    assert f"kernels=pallas rows={T} chunk={T} dtype=bfloat16 fmt=None sharded -> xla" in \
+        kernel_choice.choices()["indexer_topk"]

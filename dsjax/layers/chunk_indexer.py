@@ -12,6 +12,7 @@ from dsjax.kernels.common import IndexRowFormat
 from dsjax.kernels.indexer_topk import index_scores as index_scores_op
 from dsjax.layers.indexer import index_scores, index_weights
 from dsjax.layers.rows import per_token
+from dsjax.sharding import active_mesh
 
 # Chunks of at least this many tokens may take the kernel here; decode and verify steps keep XLA on this path
 # (their kernel is `sparse_attention.pick_entries`, scoring and top-k together).
@@ -24,8 +25,8 @@ def chunk_index_scores(x, iq, w, cfg, stored, load, n_visible):
     values (`kv_rows.load_index` / `v41_rows.load_index`), n_visible int32 [B,T] the entries each query sees.
     Entries past a query's n_visible are undefined: the caller masks them."""
     B, T = x.shape[:2]
-    if T >= KERNEL_CHUNK and choose(cfg, "indexer_topk", rows=B * T, chunk=T, dtype=x.dtype,
-                                    operands=(stored,)) == "pallas":
+    if T >= KERNEL_CHUNK and choose(cfg, "indexer_topk", rows=B * T, chunk=T, dtype=x.dtype, operands=(stored,),
+                                    sharded=active_mesh() is not None) == "pallas":   # GSPMD cannot split a kernel
         # the keys as values, decoded once: the kernel decoding FP4 rows itself would do it once a program, 1,024 /
         # rows_per_program times a tile per chunk (H200: 2.0-2.2x XLA that way, 4.6-5.2x on bf16 values)
         keys = load(stored, cfg).astype(x.dtype)
