@@ -28,6 +28,26 @@ def test_equals_lax_top_k(test_seed, shape, k, levels):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@pytest.mark.parametrize("opts", [dict(bits_per_pass=4), dict(bits_per_pass=2, narrow=True),
+                                  dict(bits_per_pass=8, one_prefix_sum=True), dict(narrow=True, one_prefix_sum=True)],
+                         ids=["4bits", "2bits-u16", "8bits-1sum", "u16-1sum"])
+def test_options_change_nothing(test_seed, opts):
+    """The work-saving options (to be timed on the GPU) give the same result: a threshold that falls inside a run
+    of ties, k = 1 and k = N, -0/+0 and -inf."""
+    rng = np.random.default_rng(test_seed)
+    for shape, k, levels in (((3, 700), 50, 16), ((2, 1024), 1000, 40000), ((1, 300), 1, 3), ((4, 257), 257, 5)):
+        s = _scores(rng, shape, levels)
+        want = jax.lax.top_k(s, k)
+        got = jax.jit(lambda s: radix_topk.top_k_bf16(s, k, **opts))(s)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{shape} k={k}")
+
+
+def test_kth_key_refuses_uneven_passes():
+    with pytest.raises(ValueError, match="bits_per_pass"):
+        radix_topk.kth_key(jnp.zeros((1, 4), jnp.int32), 1, bits_per_pass=3)
+
+
 def test_sort_keys_order_as_values(test_seed):
     """Every bf16 bit pattern but NaN: keys ascend exactly as fp32's total order (lax.sort) ascends."""
     bits = np.arange(1 << 16, dtype=np.uint32)

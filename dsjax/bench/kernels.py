@@ -36,6 +36,7 @@ from dsjax.bench.roofline import torch_roofline
 from dsjax.kernels import chunk_attention, indexer_topk, mhc_sinkhorn, moe_gemm, sparse_mqa
 from dsjax.kernels.common import IndexRowFormat, MainRowFormat
 from dsjax.kernels.moe_gemm import pallas_triton as moe_gemm_kernel
+from dsjax.layers import radix_topk
 from dsjax.layers.lm_head import lm_head
 from dsjax.weights import stored_linear
 
@@ -353,7 +354,8 @@ def bench_indexer(emit, sweep: bool, smoke: bool = False):
 def bench_indexer_chunk(emit, sweep: bool, smoke: bool = False):
     """A prefill chunk's index scores (1,024 queries against a long context's keys, every key visible: the chunk
     that ends there): XLA (the model's path) against the Mosaic kernel at 1-8 query rows a program, keys as bf16
-    values and as the 68-byte FP4 rows the cache stores; then the top-k XLA runs on them (`lax.top_k`), for scale.
+    values and as the 68-byte FP4 rows the cache stores; then the top-k on them: `lax.top_k` against
+    `layers.radix_topk.top_k_bf16` and its options (each record says whether its indices equal the sort's).
     V4.1's 32 index heads and V4's 64 (128 dims each); TFLOP/s of 2·Q·heads·128·N against torch's matmul."""
     fmt = IndexRowFormat()
     cases = [(128, 32, 16)] if smoke else [(N, nh, 1024) for nh in (32, 64) for N in (65536, 131072)]
@@ -375,9 +377,17 @@ def bench_indexer_chunk(emit, sweep: bool, smoke: bool = False):
                                                            entries=N, keys=kind, flops=flops),
                          keys.nbytes + q.nbytes, configs)
         scores = jax.jit(lambda q, w, k, nv: indexer_topk.index_scores(q, w, k, nv, row_format=fmt))(q, w, rows, nv)
-        topk = jax.jit(lambda s: jax.lax.top_k(s, min(512, N)))
-        emit(dict(op="indexer_chunk_topk", heads=nh, queries=Q, entries=N, impl="xla (lax.top_k, k=512)",
-                  us=time_us(topk, scores, calls=5)))
+        k = min(512, N)
+        sort = jax.jit(lambda s: jax.lax.top_k(s, k))
+        want = sort(scores)[1]
+        t_sort = time_us(sort, scores, calls=5)
+        emit(dict(op="indexer_chunk_topk", heads=nh, queries=Q, entries=N, k=k, impl="lax.top_k", us=t_sort))
+        for opts in ({}, dict(narrow=True), dict(bits_per_pass=4, narrow=True),
+                     dict(bits_per_pass=4, narrow=True, one_prefix_sum=True)):
+            fn = jax.jit(lambda s, o=opts: radix_topk.top_k_bf16(s, k, **o))
+            emit(dict(op="indexer_chunk_topk", heads=nh, queries=Q, entries=N, k=k, impl="radix_topk.top_k_bf16",
+                      options=opts, us=time_us(fn, scores, calls=5), lax_top_k_us=t_sort,
+                      same_indices=bool(jnp.all(fn(scores)[1] == want))))
 
 
 # ----------------------------------------------------------------------------- MoE expert GEMM

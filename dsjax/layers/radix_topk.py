@@ -34,29 +34,47 @@ def sort_keys(scores):
     return jnp.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)
 
 
-def kth_key(keys, k: int):
-    """The k-th largest key of each row (with multiplicity): the largest c with count(keys >= c) >= k."""
-    def bit(i, tau):
-        cand = tau | (1 << (KEY_BITS - 1 - i))
-        count = jnp.sum(keys >= cand[..., None], axis=-1, dtype=jnp.int32)
-        return jnp.where(count >= k, cand, tau)
+def kth_key(keys, k: int, *, bits_per_pass: int = 1):
+    """The k-th largest key of each row (with multiplicity): the largest c with count(keys >= c) >= k, found
+    `bits_per_pass` bits at a time — one pass counts the keys at or above each of the 2^b - 1 next thresholds
+    (fewer passes over the row, more compares a pass). keys: int32 or uint16 (`narrow`: half the bytes a pass)."""
+    if bits_per_pass not in (1, 2, 4, 8):
+        raise ValueError(f"kth_key: bits_per_pass must divide {KEY_BITS} (1, 2, 4 or 8), got {bits_per_pass}")
+    steps = jnp.arange(1, 1 << bits_per_pass, dtype=jnp.int32)
 
-    return jax.lax.fori_loop(0, KEY_BITS, bit, jnp.zeros(keys.shape[:-1], jnp.int32))
+    def step(i, tau):
+        shift = KEY_BITS - bits_per_pass * (i + 1)
+        cands = tau[..., None] | (steps << shift)                                   # [..., 2^b - 1] ascending
+        counts = jnp.sum(keys[..., None, :] >= cands[..., None].astype(keys.dtype), axis=-1, dtype=jnp.int32)
+        return tau | (jnp.sum(counts >= k, axis=-1, dtype=jnp.int32) << shift)    # counts fall as c rises
+
+    return jax.lax.fori_loop(0, KEY_BITS // bits_per_pass, step, jnp.zeros(keys.shape[:-1], jnp.int32))
 
 
-def top_k_bf16(scores, k: int):
+def top_k_bf16(scores, k: int, *, bits_per_pass: int = 1, narrow: bool = False, one_prefix_sum: bool = False):
     """(values, int32 indices) [..., k] of scores [..., N] (bf16 values in fp32, k <= N): `lax.top_k(scores, k)`
-    exactly, for scores that are bf16 values."""
+    exactly, for scores that are bf16 values. The options change the work, never the result (to be timed):
+    bits_per_pass (`kth_key`), narrow (uint16 keys), one_prefix_sum (the keys above the threshold and the ties
+    counted in one int32 prefix sum, `above + ties << ⌈log2 k⌉`, where N fits beside k)."""
     n = scores.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"top_k_bf16: k must be in 1..{n}, got {k}")
     keys = sort_keys(scores)
-    tau = kth_key(keys, k)[..., None]
+    if narrow:
+        keys = keys.astype(jnp.uint16)
+    tau = kth_key(keys, k, bits_per_pass=bits_per_pass)[..., None].astype(keys.dtype)
     above = keys > tau
     ties = keys == tau
     room = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)     # >= 1 ties to take, lowest index first
-    take = above | (ties & (jnp.cumsum(ties, axis=-1, dtype=jnp.int32) <= room))
-    slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, k)   # k: dropped
+    low = max(1, (k - 1).bit_length())                                      # above's count is < k: `low` bits
+    if one_prefix_sum and low + n.bit_length() <= 31:
+        both = jnp.cumsum(above.astype(jnp.int32) + (ties.astype(jnp.int32) << low), axis=-1, dtype=jnp.int32)
+        above_sum, ties_sum = both & ((1 << low) - 1), both >> low
+        take = above | (ties & (ties_sum <= room))
+        slot = jnp.where(take, above_sum + jnp.minimum(ties_sum, room) - 1, k)
+    else:
+        take = above | (ties & (jnp.cumsum(ties, axis=-1, dtype=jnp.int32) <= room))
+        slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, k)   # k: dropped
     lead = scores.shape[:-1]
     flat_slot = slot.reshape(-1, n)
     rows = jnp.arange(flat_slot.shape[0], dtype=jnp.int32)
