@@ -159,6 +159,9 @@ class ModelConfig:
     batch_invariant: bool = False  # compute token by token: results independent of chunking (see layers/rows.py)
     # kernel selection for every op (see pallas_kernels/)
     kernels: str = "auto"
+    # V4.1 Reindex layers: score every key and mask the non-candidates ("all"), or score only the candidate
+    # positions ("candidates", layers/reindex.py: the same picks; fewer keys from ~130k context on). Execution only.
+    reindex_scope: Literal["all", "candidates"] = "all"
     # logical -> mesh axes (sharding.py); inert without a mesh. Deployment, not architecture: never serialised.
     sharding: ShardingRules = ShardingRules()
 
@@ -246,6 +249,8 @@ class ModelConfig:
                 raise ConfigError(f"{self.name}: {msg}")
 
         need(self.family in ("v4", "v4.1"), f"family must be 'v4' or 'v4.1', got {self.family!r}")
+        need(self.reindex_scope in ("all", "candidates"),
+             f"reindex_scope must be 'all' or 'candidates', got {self.reindex_scope!r}")
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
                   "o_lora_rank", "n_routed_experts", "n_activated_experts", "moe_inter_dim", "window_size",
                   "hc_mult", "hc_sinkhorn_iters"):

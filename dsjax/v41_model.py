@@ -89,7 +89,7 @@ def new_shared(state: State41) -> dict:
     the reference's index-key pointer (csa2.attention41)."""
     sources = {layer: st.source for layer, st in enumerate(state.layers) if st.source is not None}
     last_source = max(sources) if sources else None
-    return {"sources": sources, "topk": None, "candidates": None,
+    return {"sources": sources, "topk": None, "candidates": None, "candidate_ids": None,
             "index_keys": sources[last_source].index_keys if sources else None}
 
 

@@ -34,6 +34,8 @@ def add_args(p) -> None:
     p.add_argument("--lengths", default="8192,16384,32768,65536,131072", help="prompt lengths (comma-separated)")
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens per forward, default 1024)")
     p.add_argument("--kernels", default="auto", type=kernels_arg, help=KERNELS_HELP)
+    p.add_argument("--reindex-scope", default="all", choices=("all", "candidates"),
+                   help="V4.1 Reindex layers: score every key and mask ('all', the default) or only the candidate positions ('candidates'): the same picks, less work at long context")
     p.add_argument("--proxy-layers", type=int, default=2,
                    help="also time the slice without its last N layers, to extrapolate the full model (0 = skip; "
                         "V4.1: N must drop exactly the decoder layers, 3 for a full 8-layer slice)")
@@ -139,7 +141,8 @@ def run(args) -> int:
     roof = torch_roofline()
     lengths = [int(x) for x in args.lengths.split(",")]
     schedules = args.schedule.split(",")
-    model = slice_model(args.model, kernels=args.kernels, max_seq_len=max(lengths) + args.chunk)
+    model = slice_model(args.model, kernels=args.kernels, max_seq_len=max(lengths) + args.chunk,
+                        reindex_scope=args.reindex_scope)
     cfg = model.cfg
     if cfg.family != "v4.1" and schedules != ["exact"]:
         raise ConfigError(f"--schedule {args.schedule}: V4 models prefill with the exact schedule only")

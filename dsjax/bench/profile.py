@@ -230,6 +230,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="slice:v4-flash:2", help="slice:v4-flash[:LAYERS[:EXPERTS]]")
     p.add_argument("--kernels", default="auto", type=kernels_arg, help=KERNELS_HELP)
+    p.add_argument("--reindex-scope", default="all", choices=("all", "candidates"),
+                   help="V4.1 Reindex layers: score every key and mask ('all', the default) or only the candidate positions ('candidates'): the same picks, less work at long context")
     p.add_argument("--context", type=int, default=4096, help="context of the decode / verify steps")
     p.add_argument("--k", type=int, default=5, help="draft length of the verify step (0: skip it)")
     p.add_argument("--steps", type=int, default=16, help="loop steps traced per dispatch (0: skip the decode and verify steps)")
@@ -245,7 +247,8 @@ def main(argv=None) -> int:
     from dsjax.bench.slices import slice_model
 
     os.makedirs(args.out_dir, exist_ok=True)
-    model = slice_model(args.model, kernels=args.kernels, max_seq_len=max(args.context, args.prefill_context) + 512)
+    model = slice_model(args.model, kernels=args.kernels, max_seq_len=max(args.context, args.prefill_context) + 512,
+                        reindex_scope=args.reindex_scope)
     report = dict(run_info("profile", argv), model=args.model, kernels=args.kernels, steps={})
     plan = []
     if args.steps:

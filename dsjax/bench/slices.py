@@ -121,17 +121,18 @@ def full_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def slice_model(spec: str, *, kernels: str = "auto", max_seq_len: int = 8192, max_batch: int = 1, seed: int = 0,
-                tp: int = 1, numerics: str | None = None):
+                tp: int = 1, numerics: str | None = None, reindex_scope: str = "all"):
     """A `dsjax.Model` of a layer slice with random weights drawn on the first device (`tp` > 1: sharded over the
     first `tp` devices by the sharding rules; the same seed draws the same weights at every degree). numerics: one
-    of `dsjax.config.NUMERICS` (default: the config's own)."""
+    of `dsjax.config.NUMERICS` (default: the config's own); reindex_scope: `ModelConfig.reindex_scope`."""
     from dsjax import sharding
     from dsjax.api import Model, enable_compilation_cache
     from dsjax.bench.device_weights import device_params
 
     enable_compilation_cache()
     family, layers, experts = parse_slice(spec)
-    cfg = slice_config(layers, experts, family=family, pattern="model").replace(kernels=kernels)
+    cfg = slice_config(layers, experts, family=family, pattern="model").replace(kernels=kernels,
+                                                                                reindex_scope=reindex_scope)
     cfg = cfg.with_numerics(numerics) if numerics else cfg
     mesh = sharding.make_mesh(tp, 1, jax.devices()[:tp])
     shardings = sharding.param_shardings(cfg, mesh)
@@ -215,9 +216,10 @@ def shallower(model, layers: int):
         if not 3 <= layers <= decoder_start(cfg):
             raise ConfigError(f"a shallower V4.1 slice keeps 3 to {decoder_start(cfg)} of its encoder layers "
                               f"(of {cfg.n_layers}), not {layers}")
-        sub = slice_config41(layers, cfg.n_routed_experts, family=family).replace(kernels=cfg.kernels)
+        sub = slice_config41(layers, cfg.n_routed_experts, family=family)
     else:
-        sub = slice_config(layers, cfg.n_routed_experts, family=family, pattern="model").replace(kernels=cfg.kernels)
+        sub = slice_config(layers, cfg.n_routed_experts, family=family, pattern="model")
+    sub = sub.replace(kernels=cfg.kernels, reindex_scope=cfg.reindex_scope)
     return Model(sub, dataclasses.replace(model.params, layers=model.params.layers[:layers]),
                  source=f"first {layers} layers of {model.source}", max_seq_len=model.max_seq_len,
                  max_batch=model.max_batch)

@@ -23,7 +23,7 @@ from dsjax.sharding import active_mesh
 from dsjax.kernels import sparse_mqa
 from dsjax.kernels.common import Fp4RowFormat, MainRowFormat
 from dsjax.layers.attention import compressed_visible, output_projection, sink_attention, update_ring, window_keys
-from dsjax.layers import radix_topk
+from dsjax.layers import radix_topk, reindex
 from dsjax.layers.chunk_indexer import chunk_index_scores
 from dsjax.layers.linear import linear, matmul
 from dsjax.layers.norms import rms_norm
@@ -135,14 +135,24 @@ def candidate_blocks(scores, compress_len, topk_blocks: int, block_size: int):
     its positions; the block holding the newest visible entry is pinned (+inf); the best `topk_blocks` blocks
     with a score above -inf are kept (ties toward the lower block, as the goldens' stable top-k)."""
     N = scores.shape[-1]
+    ids, kept = candidate_ids(scores, compress_len, topk_blocks, block_size)
+    nb = -(-N // block_size)
+    keep = jnp.any((ids[..., None] == jnp.arange(nb)) & kept[..., None], axis=-2)
+    return jnp.repeat(keep, block_size, axis=-1)[..., :N]
+
+
+def candidate_ids(scores, compress_len, topk_blocks: int, block_size: int):
+    """`candidate_blocks` as block ids: (int32 [..., min(topk_blocks, nb)] ascending, kept bool), the kept ones
+    first; what a Reindex layer needs to score only its candidates (`layers.reindex`)."""
+    N = scores.shape[-1]
     nb = -(-N // block_size)
     padded = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, nb * block_size - N)], constant_values=-jnp.inf)
     block = jnp.max(padded.reshape(scores.shape[:-1] + (nb, block_size)), axis=-1)
     last = jnp.floor_divide(compress_len - 1, block_size)
     block = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, block)
     top, idx = jax.lax.top_k(block, min(topk_blocks, nb))
-    keep = jnp.any((idx[..., None] == jnp.arange(nb)) & (top > -jnp.inf)[..., None], axis=-2)
-    return jnp.repeat(keep, block_size, axis=-1)[..., :N]
+    ids = jnp.sort(jnp.where(top > -jnp.inf, idx, nb), axis=-1)              # dropped blocks sort last as nb
+    return jnp.minimum(ids, nb - 1).astype(jnp.int32), ids < nb
 
 
 def select_topk(scores, visible, k: int, *, bf16_values: bool = False):
@@ -191,13 +201,18 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         src = shared["sources"][kv_source_of(cfg, layer)]
         N = src.entries.shape[1]
         visible = compressed_visible(q_pos, N, ratio)                                # [B,T,N]
-        if w.indexer is not None:
+        if w.indexer is not None and 0 <= cfg.candidate_source_layer < layer and reindex.applies(cfg):
+            shared["topk"] = reindex.candidate_picks(      # a Reindex layer scoring its candidates alone
+                x, iq, w.indexer, cfg, v41_rows.load_index(_index_keys_for(shared, src, cfg, N), cfg),
+                *shared["candidate_ids"], (q_pos + 1) // ratio)
+        elif w.indexer is not None:
             scores = chunk_index_scores(x, iq, w.indexer, cfg, _index_keys_for(shared, src, cfg, N),
                                         v41_rows.load_index, (q_pos + 1) // ratio)
             scores = jnp.where(visible, scores, -jnp.inf)
-            if layer == cfg.candidate_source_layer:
-                shared["candidates"] = candidate_blocks(scores, (q_pos + 1) // ratio, cfg.candidate_topk_blocks,
-                                                        cfg.candidate_block_size)
+            if layer == cfg.candidate_source_layer:       # the Reindex layers' candidates: as block ids or a mask
+                publish, key = (candidate_ids, "candidate_ids") if reindex.applies(cfg) else (candidate_blocks,
+                                                                                               "candidates")
+                shared[key] = publish(scores, (q_pos + 1) // ratio, cfg.candidate_topk_blocks, cfg.candidate_block_size)
             elif 0 <= cfg.candidate_source_layer < layer:
                 scores = jnp.where(shared["candidates"], scores, -jnp.inf)
             shared["topk"] = select_topk(scores, visible, cfg.index_topk,

@@ -62,7 +62,12 @@ def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig, *, max_products_bytes
 def key_block_scores(q, keys, weights, dt):
     """The scores of q [b,s,nh,dh] against keys [b,t,dh] with head weights [b,s,nh]: Σ_h relu(q_h · k) · w_h, each
     step rounded to dt where the reference rounds it."""
-    s = round_to(einsum_acc32("bshd,btd->bsht", q, keys), dt)
+    return weighted_head_sum(einsum_acc32("bshd,btd->bsht", q, keys), weights, dt)
+
+
+def weighted_head_sum(products, weights, dt):
+    """fp32 per-head products [b,s,nh,t] -> scores [b,s,t]: Σ_h relu(p_h) · w_h with the reference's roundings."""
+    s = round_to(products, dt)
     s = round_to(jnp.maximum(s, 0).astype(jnp.float32) * weights[..., None].astype(jnp.float32), dt)
     return round_to(jnp.sum(s.astype(jnp.float32), axis=2), dt)
 
