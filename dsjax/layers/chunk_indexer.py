@@ -25,12 +25,11 @@ def chunk_index_scores(x, iq, w, cfg, stored, load, n_visible):
     values (`kv_rows.load_index` / `v41_rows.load_index`), n_visible int32 [B,T] the entries each query sees.
     Entries past a query's n_visible are undefined: the caller masks them."""
     B, T = x.shape[:2]
+    # the keys as values, decoded once on either path: the kernel decoding FP4 rows itself would do it once a
+    # program, 1,024 / rows_per_program times a tile per chunk (H200: 2.0-2.2x XLA that way, 4.6-5.2x on values)
+    keys = load(stored, cfg)
     if T >= KERNEL_CHUNK and choose(cfg, "indexer_topk", rows=B * T, chunk=T, dtype=x.dtype, operands=(stored,),
                                     sharded=active_mesh() is not None) == "pallas":   # GSPMD cannot split a kernel
-        # the keys as values, decoded once: the kernel decoding FP4 rows itself would do it once a program, 1,024 /
-        # rows_per_program times a tile per chunk (H200: 2.0-2.2x XLA that way, 4.6-5.2x on bf16 values)
-        keys = load(stored, cfg).astype(x.dtype)
-        return index_scores_op(iq, index_weights(x, w, cfg), keys, n_visible,
+        return index_scores_op(iq, index_weights(x, w, cfg), keys.astype(x.dtype), n_visible,
                                row_format=IndexRowFormat.from_config(cfg), implementation="pallas")
-    keys = load(stored, cfg)
     return per_token(cfg, lambda x, iq: index_scores(x, iq, keys, w, cfg), x, iq).astype(jnp.float32)

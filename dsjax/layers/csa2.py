@@ -135,15 +135,21 @@ def candidate_blocks(scores, compress_len, topk_blocks: int, block_size: int):
     its positions; the block holding the newest visible entry is pinned (+inf); the best `topk_blocks` blocks
     with a score above -inf are kept (ties toward the lower block, as the goldens' stable top-k)."""
     N = scores.shape[-1]
-    ids, kept = candidate_ids(scores, compress_len, topk_blocks, block_size)
-    nb = -(-N // block_size)
-    keep = jnp.any((ids[..., None] == jnp.arange(nb)) & kept[..., None], axis=-2)
+    idx, kept, nb = _top_blocks(scores, compress_len, topk_blocks, block_size)
+    keep = jnp.any((idx[..., None] == jnp.arange(nb)) & kept[..., None], axis=-2)
     return jnp.repeat(keep, block_size, axis=-1)[..., :N]
 
 
 def candidate_ids(scores, compress_len, topk_blocks: int, block_size: int):
     """`candidate_blocks` as block ids: (int32 [..., min(topk_blocks, nb)] ascending, kept bool), the kept ones
     first; what a Reindex layer needs to score only its candidates (`layers.reindex`)."""
+    idx, kept, nb = _top_blocks(scores, compress_len, topk_blocks, block_size)
+    ids = jnp.sort(jnp.where(kept, idx, nb), axis=-1)                         # dropped blocks sort last as nb
+    return jnp.minimum(ids, nb - 1).astype(jnp.int32), ids < nb
+
+
+def _top_blocks(scores, compress_len, topk_blocks: int, block_size: int):
+    """(block ids [..., min(topk_blocks, nb)] in top-k order, kept: score above -inf, nb) of `candidate_blocks`."""
     N = scores.shape[-1]
     nb = -(-N // block_size)
     padded = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, nb * block_size - N)], constant_values=-jnp.inf)
@@ -151,8 +157,7 @@ def candidate_ids(scores, compress_len, topk_blocks: int, block_size: int):
     last = jnp.floor_divide(compress_len - 1, block_size)
     block = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, block)
     top, idx = jax.lax.top_k(block, min(topk_blocks, nb))
-    ids = jnp.sort(jnp.where(top > -jnp.inf, idx, nb), axis=-1)              # dropped blocks sort last as nb
-    return jnp.minimum(ids, nb - 1).astype(jnp.int32), ids < nb
+    return idx, top > -jnp.inf, nb
 
 
 def select_topk(scores, visible, k: int, *, bf16_values: bool = False):
