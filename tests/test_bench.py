@@ -415,3 +415,36 @@ def test_kernels_bench_times_the_lm_head_both_ways(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         kernels.main(["--ops", "moe,heads", "--smoke"])
     assert exc.value.code == 2 and "heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family,layers", [("tiny-v4", 2), ("tiny-v41", 5)])
+def test_chunk_step_keeps_the_last_layer_whole(family, layers):
+    """The prefill bench and profiler time a slice's chunk through `chunk_step`: its last layer keeps its attention
+    and its router in the compiled program. A step that returns the state alone loses them to XLA's dead-code
+    elimination (checked for V4: this is what the benches timed before), so the slice would time a layer short."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.bench.slices import chunk_step
+    from dsjax.model import forward_chunk
+    from dsjax.params import init_params
+    from dsjax.state import init_state
+    from dsjax.v41_state import init_state41
+
+    cfg = slice_config(layers, 8, family=family, pattern="model")
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    state = jax.eval_shape(lambda: (init_state41 if cfg.family == "v4.1" else init_state)(cfg, 1, 64))
+    ids = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+
+    def last_layer_dots(f):
+        txt = jax.jit(f).lower(params, ids, state).compile().as_text()
+        return {n.split("/")[-2] for n in re.findall(r'op_name="([^"]*)"', txt)
+                if f"/layer{layers - 1}/" in n and n.endswith("dot_general")}
+
+    whole = last_layer_dots(chunk_step(cfg))
+    assert {"nd,ed->ne", "bthk,btkd->bthd"} <= whole, whole        # the router, the attention's scores
+    if family == "tiny-v4":
+        state_only = last_layer_dots(lambda p, t, s: forward_chunk(p, cfg, t, s)[1])
+        assert not {"nd,ed->ne", "bthk,btkd->bthd"} & state_only, state_only

@@ -45,35 +45,39 @@ def add_args(p) -> None:
 
 
 def schedule_steps(cfg, schedule: str, length: int):
-    """(fresh state for `max_seq` tokens, step(params, ids, n_valid, state) -> state, finish(params, state) ->
-    state) of one prefill schedule of a `length`-token prompt, batch 1."""
+    """(fresh carry for `max_seq` tokens, step(params, ids, n_valid, carry) -> carry, finish(params, carry) -> the
+    results) of one prefill schedule of a `length`-token prompt, batch 1. Every layer runs whole for every token it
+    runs on (`slices.chunk_step`); the head does not run."""
     import jax
     import jax.numpy as jnp
 
+    from dsjax.bench.slices import chunk_step, stream_sum
+
+    forward = chunk_step(cfg)
+    exact = jax.jit(lambda p, t, n, s: forward(p, t, s[0], n), donate_argnums=3)  # carry: (state, live)
     if cfg.family != "v4.1":
-        from dsjax.model import forward_chunk
         from dsjax.state import init_state
 
         if schedule != "exact":
             raise ConfigError(f"{cfg.name}: V4 prefills with the exact schedule only, not {schedule!r}")
-        step = jax.jit(lambda p, t, n, s: forward_chunk(p, cfg, t, s, n)[1], donate_argnums=3)
-        return (lambda n: init_state(cfg, 1, n)), step, lambda p, s: s
-    from dsjax.v41_model import forward_chunk41
+        return (lambda n: (init_state(cfg, 1, n), jnp.zeros((), jnp.float32))), exact, lambda p, s: s
     from dsjax.v41_replay import SCHEDULES, empty_keep, encode_chunk41, replay41, replay_from
     from dsjax.v41_state import init_state41
 
     if schedule not in SCHEDULES:
         raise ConfigError(f"unknown prefill schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     if schedule == "exact":
-        step = jax.jit(lambda p, t, n, s: forward_chunk41(p, cfg, t, s, n)[1], donate_argnums=3)
-        return (lambda n: init_state41(cfg, 1, n)), step, lambda p, s: s
+        return (lambda n: (init_state41(cfg, 1, n), jnp.zeros((), jnp.float32))), exact, lambda p, s: s
     first = replay_from(jnp.asarray([length], jnp.int32), cfg.window_size)
 
     def step(p, t, n, s):
         return encode_chunk41(p, t, s[0], n, s[1], first, cfg=cfg)
 
-    return (lambda n: (init_state41(cfg, 1, n), empty_keep(cfg, 1))), step, \
-        lambda p, s: replay41(p, s[0], s[1], first, cfg=cfg)[2]
+    def finish(p, s):  # the replayed stream too: the last decoder layer whole (see chunk_step)
+        y, _, state = replay41(p, s[0], s[1], first, cfg=cfg)
+        return state, stream_sum(y)
+
+    return (lambda n: (init_state41(cfg, 1, n), empty_keep(cfg, 1))), step, finish
 
 
 def prefill_seconds(model, length: int, chunk: int, seed: int = 0, schedule: str = "exact") -> tuple[float, float]:

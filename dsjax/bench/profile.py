@@ -187,12 +187,11 @@ def profile_prefill(model, out_dir: str, *, chunk: int, context: int, reps: int 
     import jax.numpy as jnp
     import numpy as np
 
-    from dsjax.bench.slices import state_at
-    from dsjax.model import forward_chunk
+    from dsjax.bench.slices import chunk_step, state_at
 
     cfg = model.cfg
     dev = jax.devices()[0]
-    step = jax.jit(lambda p, t, s: forward_chunk(p, cfg, t, s)[1])
+    step = jax.jit(chunk_step(cfg))  # every layer whole, no head (as `bench prefill` times a chunk)
     state = jax.device_put(state_at(cfg, 1, context + chunk, context - chunk), dev)
     ids = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, chunk)), jnp.int32), dev)
     jax.block_until_ready(step(model.params, ids, state))

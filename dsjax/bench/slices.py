@@ -152,6 +152,25 @@ def state_at(cfg: ModelConfig, batch: int, max_seq: int, position: int, *, with_
                                lengths=jnp.full((batch,), position, jnp.int32))
 
 
+def chunk_step(cfg: ModelConfig):
+    """forward(params, ids, state, n_valid) -> (state, live) of one prefill chunk without the head. `live`, a sum
+    of the final stream, keeps every layer whole: a step returning the state alone lets XLA drop the last layer's
+    attention and FFN (only the logits read them), so a slice, which stands for interior layers, would time its
+    last layer without them."""
+    from dsjax.model import forward_hidden_chunk
+
+    def forward(params, ids, state, n_valid=None):
+        y, state = forward_hidden_chunk(params, cfg, ids, state, n_valid)
+        return state, stream_sum(y)
+
+    return forward
+
+
+def stream_sum(y):
+    """A float32 scalar read from every element of a stream (see `chunk_step`)."""
+    return jnp.sum(y.astype(jnp.float32))
+
+
 def extrapolate_depth(t_shallow: float, t_deep: float, shallow: int, deep: int, full: int) -> tuple[float, float]:
     """(time per layer, full-depth time) from a slice timed at two depths: t is linear in the layers the slices
     add, which repeat what the full model repeats."""
