@@ -28,9 +28,10 @@ def test_equals_lax_top_k(test_seed, shape, k, levels):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.parametrize("opts", [dict(bits_per_pass=4), dict(bits_per_pass=2, narrow=True),
-                                  dict(bits_per_pass=8, one_prefix_sum=True), dict(narrow=True, one_prefix_sum=True)],
-                         ids=["4bits", "2bits-u16", "8bits-1sum", "u16-1sum"])
+@pytest.mark.parametrize("opts", [dict(bits_per_pass=4, narrow=False), dict(bits_per_pass=2, narrow=True),
+                                  dict(bits_per_pass=8, one_prefix_sum=True, narrow=False),
+                                  dict(narrow=True, one_prefix_sum=True), dict(narrow=False)],
+                         ids=["4bits-i32", "2bits-u16", "8bits-1sum-i32", "u16-1sum", "i32"])
 def test_options_change_nothing(test_seed, opts):
     """The work-saving options (to be timed on the GPU) give the same result: a threshold that falls inside a run
     of ties, k = 1 and k = N, -0/+0 and -inf."""

@@ -382,8 +382,7 @@ def bench_indexer_chunk(emit, sweep: bool, smoke: bool = False):
         want = sort(scores)[1]
         t_sort = time_us(sort, scores, calls=5)
         emit(dict(op="indexer_chunk_topk", heads=nh, queries=Q, entries=N, k=k, impl="lax.top_k", us=t_sort))
-        for opts in ({}, dict(narrow=True), dict(bits_per_pass=4, narrow=True),
-                     dict(bits_per_pass=4, narrow=True, one_prefix_sum=True)):
+        for opts in ({}, dict(narrow=False), dict(one_prefix_sum=True), dict(bits_per_pass=2)):
             fn = jax.jit(lambda s, o=opts: radix_topk.top_k_bf16(s, k, **o))
             emit(dict(op="indexer_chunk_topk", heads=nh, queries=Q, entries=N, k=k, impl="radix_topk.top_k_bf16",
                       options=opts, us=time_us(fn, scores, calls=5), lax_top_k_us=t_sort,

@@ -6,8 +6,8 @@ by a binary search over the 16 bits, one fused compare-and-count pass over the r
 the first (in index order) of those equal to τ make exactly k, compacted in index order by a prefix sum and one
 scatter; a top-k over those k values then puts them in `lax.top_k`'s order (descending, ties to the lower index,
 which the compaction's index order gives). A prefill chunk's rows are 64k-1M entries with k = 512, where
-`lax.top_k` sorts: on the H200, 1,024 rows of 131,072 entries take 8.9 ms that way and 5.3 ms this way (65,536:
-4.9 and 2.9 ms), with the same indices (docs/benchmarks.md). On CPU it is slower (5x at 64 rows): `top_k` takes
+`lax.top_k` sorts: on the H200, 1,024 rows of 131,072 entries take 8.5 ms that way and 3.7 ms this way with
+uint16 keys (4.9 ms with int32 keys; 65,536: 4.5, 2.0 and 2.6 ms), with the same indices (docs/benchmarks.md). On CPU it is slower (5x at 64 rows): `top_k` takes
 it only on a GPU and for rows of at least `RADIX_MIN_ENTRIES`. Memory: a few int32 arrays of the scores' size
 (the keys, two prefix sums, the pick slots): 2 GiB each for 1,024 rows of 512k entries.
 """
@@ -51,11 +51,12 @@ def kth_key(keys, k: int, *, bits_per_pass: int = 1):
     return jax.lax.fori_loop(0, KEY_BITS // bits_per_pass, step, jnp.zeros(keys.shape[:-1], jnp.int32))
 
 
-def top_k_bf16(scores, k: int, *, bits_per_pass: int = 1, narrow: bool = False, one_prefix_sum: bool = False):
+def top_k_bf16(scores, k: int, *, bits_per_pass: int = 1, narrow: bool = True, one_prefix_sum: bool = False):
     """(values, int32 indices) [..., k] of scores [..., N] (bf16 values in fp32, k <= N): `lax.top_k(scores, k)`
-    exactly, for scores that are bf16 values. The options change the work, never the result (to be timed):
-    bits_per_pass (`kth_key`), narrow (uint16 keys), one_prefix_sum (the keys above the threshold and the ties
-    counted in one int32 prefix sum, `above + ties << ⌈log2 k⌉`, where N fits beside k)."""
+    exactly, for scores that are bf16 values. The options change the work, never the result. Timed on the H200
+    (2026-12-04e): narrow (uint16 keys, the default) 1.3x faster than int32 keys; bits_per_pass (`kth_key`) = 4
+    ~10x slower than 1 (15 compares an entry a pass); one_prefix_sum (the keys above the threshold and the ties
+    counted in one int32 prefix sum, `above + ties << ⌈log2 k⌉`, where N fits beside k) not yet timed alone."""
     n = scores.shape[-1]
     if not 0 < k <= n:
         raise ValueError(f"top_k_bf16: k must be in 1..{n}, got {k}")
