@@ -448,3 +448,27 @@ def test_chunk_step_keeps_the_last_layer_whole(family, layers):
     if family == "tiny-v4":
         state_only = last_layer_dots(lambda p, t, s: forward_chunk(p, cfg, t, s)[1])
         assert not {"nd,ed->ne", "bthk,btkd->bthd"} & state_only, state_only
+
+
+def test_prefill_merge_of_the_h200_runs(tmp_path):
+    """The H200 night's 128k run and its 8k/64k run (docs/benchmarks/h200-2026-12-04e/), timed in separate calls,
+    merge into the three-length 1M fit the docs quote (replay ~350 s, exact ~2,000 s), labelled with where they
+    ran; reports of another config or chunk are refused."""
+    from dsjax.bench import prefill_plot
+
+    d = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "h200-2026-12-04e")
+    a, b = (os.path.join(d, f) for f in ("call4-prefill-128k.json", "call5-prefill-8k-64k.json"))
+    assert prefill_plot.main([a, b, "--out", str(tmp_path / "m.png"), "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.load(open(tmp_path / "m.json"))
+    assert [r["tokens"] for r in merged["rows"]] == [8192, 65536, 131072]
+    assert merged["machine"] == "NVIDIA H200 x1" and merged["date"] == "2026-12-04"
+    assert round(merged["one_million"]["replay"]["s_one_gpu_equivalent"]) == 350
+    assert round(merged["one_million"]["exact"]["s_one_gpu_equivalent"]) == 2000
+    other = json.load(open(a))
+    other["rows"][0]["chunk"] = 512
+    with pytest.raises(ConfigError, match="different chunks"):
+        prefill_plot.merge([other, json.load(open(b))])
+    other = json.load(open(a))
+    other["config"] = "v4-flash-slice4x256"
+    with pytest.raises(ConfigError, match="config"):
+        prefill_plot.merge([other, json.load(open(b))])

@@ -3,7 +3,9 @@ schedules, the full model extrapolated), and the 1M-token projection t(S) = a·S
 points, with the rival's 11.7 s beside it. Written next to the JSON by the benchmark; this module also redraws
 one from saved reports (rows of several runs are merged, later runs winning per length):
 
-    python -m dsjax.bench.prefill_plot REPORT.json [MORE.json ...] --out prefill.png
+    python -m dsjax.bench.prefill_plot REPORT.json [MORE.json ...] --out prefill.png [--json merged.json]
+
+Lengths timed in separate runs (a per-call time limit) get one 1M fit this way.
 """
 
 from __future__ import annotations
@@ -76,10 +78,21 @@ def plot_prefill(report: dict, path: str) -> str | None:
 
 def merge(reports: list[dict]) -> dict:
     """One report from several runs of the same model: rows by prompt length (later runs win), the projection
-    refitted through every full-model point (`prefill.one_million`)."""
+    refitted through every full-model point (`prefill.one_million`). Runs of different configs or chunks are
+    refused: their rows do not belong in one fit."""
     from dsjax.bench.prefill import one_million
+    from dsjax.errors import ConfigError
 
+    for key in ("config", "schedules"):
+        seen = list(dict.fromkeys(str(rep.get(key)) for rep in reports))
+        if len(seen) > 1:
+            raise ConfigError(f"these prefill reports differ in {key} ({', '.join(seen)}): one fit needs one")
+    if len({r.get("chunk") for rep in reports for r in rep["rows"]}) > 1:
+        raise ConfigError("these prefill reports were timed with different chunks: one fit needs one")
     base = dict(reports[-1])
+    for key in ("machine", "jax", "date"):                  # where the rows were timed
+        base[key] = " / ".join(dict.fromkeys(str(rep.get(key)) for rep in reports))
+    base["merged_from"] = [rep.get("command") for rep in reports]
     rows = {r["tokens"]: r for rep in reports for r in rep["rows"]}
     base["rows"] = [rows[n] for n in sorted(rows)]
     keys = sorted({k for r in base["rows"] for k in r if k.startswith("full_extrapolated")})
@@ -94,12 +107,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reports", nargs="+", help="prefill JSON reports (same model)")
     p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--json", default=None, help="also write the merged report (rows and the refitted 1M projection)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     reports = []
     for path in args.reports:
         with open(path) as f:
             reports.append(json.load(f))
-    done = plot_prefill(merge(reports) if len(reports) > 1 else reports[0], args.out)
+    report = merge(reports) if len(reports) > 1 else reports[0]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    done = plot_prefill(report, args.out)
     print(done or "matplotlib is not installed: no plot", file=sys.stderr)
     return 0 if done else 1
 
