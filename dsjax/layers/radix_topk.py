@@ -8,8 +8,9 @@ scatter; a top-k over those k values then puts them in `lax.top_k`'s order (desc
 which the compaction's index order gives). A prefill chunk's rows are 64k-1M entries with k = 512, where
 `lax.top_k` sorts: on the H200, 1,024 rows of 131,072 entries take 8.5 ms that way and 3.7 ms this way with
 uint16 keys (4.9 ms with int32 keys; 65,536: 4.5, 2.0 and 2.6 ms), with the same indices (docs/benchmarks.md).
-On CPU it is slower (5x at 64 rows): `top_k` takes it only on a GPU and for rows of at least `RADIX_MIN_ENTRIES`. Memory: a few int32 arrays of the scores' size
-(the keys, two prefix sums, the pick slots): 2 GiB each for 1,024 rows of 512k entries.
+On CPU it is slower (5x at 64 rows): `top_k` takes it only on a GPU and for rows of at least `RADIX_MIN_ENTRIES`.
+Memory: a few int32 arrays of the scores' size (two prefix sums, the pick slots; the keys are uint16): 2 GiB each
+for 1,024 rows of 512k entries.
 """
 
 import jax
