@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from dsjax import quant
 from dsjax.config import ModelConfig
 from dsjax.layers import radix_topk
+from dsjax.layers.blocked import map_in_blocks
 from dsjax.layers.linear import einsum_acc32, linear, matmul
 from dsjax.layers.rope import apply_rope
 from dsjax.weights import Indexer
@@ -50,13 +51,8 @@ def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig, *, max_products_bytes
     T = keys.shape[1]
     limit = PRODUCTS_BYTES if max_products_bytes is None else max_products_bytes
     per_key = b * s * nh * jnp.dtype(x.dtype).itemsize
-    if per_key * T <= limit:
-        return key_block_scores(q, keys, weights, x.dtype)
-    block = max(1, limit // per_key)
-    n = -(-T // block)
-    padded = jnp.pad(keys, ((0, 0), (0, n * block - T), (0, 0))).reshape(b, n, block, keys.shape[2])
-    blocks = jax.lax.map(lambda k: key_block_scores(q, k, weights, x.dtype), jnp.moveaxis(padded, 1, 0))
-    return jnp.moveaxis(blocks, 0, 2).reshape(b, s, n * block)[:, :, :T]   # [n, b, s, block] -> [b, s, T]
+    return map_in_blocks(lambda k: key_block_scores(q, k, weights, x.dtype), (keys,), axis=1,
+                         block=max(1, limit // per_key), out_axis=2)
 
 
 def key_block_scores(q, keys, weights, dt):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
 from dsjax.layers import radix_topk
+from dsjax.layers.blocked import map_in_blocks
 from dsjax.layers.indexer import index_weights, weighted_head_sum
 from dsjax.layers.linear import einsum_acc32
 
@@ -53,15 +54,8 @@ def candidate_picks(x, iq, w, cfg: ModelConfig, keys, ids, kept, n_visible):
         return weighted_head_sum(einsum_acc32("bshd,bspd->bshp", q, gathered.astype(q.dtype)), wts, dt)
 
     per_query = pos.shape[-1] * keys.shape[-1] * jnp.dtype(dt).itemsize * B
-    block = max(1, min(T, GATHER_BYTES // max(per_query, 1)))
-    if block >= T:
-        scores = scores_of(iq, weights, pos)
-    else:
-        n = -(-T // block)
-        pad = lambda a: jnp.pad(a, [(0, 0), (0, n * block - T)] + [(0, 0)] * (a.ndim - 2))      # noqa: E731
-        split = lambda a: jnp.moveaxis(pad(a).reshape((B, n, block) + a.shape[2:]), 1, 0)       # noqa: E731
-        out = jax.lax.map(lambda args: scores_of(*args), (split(iq), split(weights), split(pos)))
-        scores = jnp.moveaxis(out, 0, 1).reshape(B, n * block, -1)[:, :T]
+    scores = map_in_blocks(scores_of, (iq, weights, pos), axis=1, block=max(1, GATHER_BYTES // max(per_query, 1)),
+                           out_axis=1)
     masked = jnp.where(live, scores.astype(jnp.float32), -jnp.inf)
     _, j = radix_topk.top_k(masked, k, bf16_values=jnp.dtype(dt) == jnp.bfloat16)
     return jnp.take_along_axis(pos, j, axis=-1), jnp.take_along_axis(live, j, axis=-1)
