@@ -205,6 +205,11 @@ class ModelConfig:
         return self.family == "v4.1" and self.vision_n_layers > 0
 
     @property
+    def scores_are_bf16(self) -> bool:
+        """Indexer scores hold bf16 values (bf16 compute): the top-k may take the sort-free radix select."""
+        return self.compute_dtype == "bfloat16"
+
+    @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.rope_head_dim
 

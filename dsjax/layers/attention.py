@@ -196,7 +196,7 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
             scores = chunk_index_scores(x, iq, w.indexer, cfg, new.index.entries, kv_rows.load_index,
                                         (q_pos + 1) // ratio)
             chosen, chosen_ok = select_topk(scores, visible, cfg.index_topk,
-                                            bf16_values=jnp.dtype(cfg.compute_dtype) == jnp.bfloat16)
+                                            bf16_values=cfg.scores_are_bf16)
             c_valid = picked_mask(chosen, chosen_ok, n_entries) if dense else chosen_ok
         if dense:
             c_keys = kv_rows.load_main(comp.entries, cfg)                          # [B,N,d] shared

@@ -223,7 +223,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
             elif 0 <= cfg.candidate_source_layer < layer:
                 scores = jnp.where(shared["candidates"], scores, -jnp.inf)
             shared["topk"] = select_topk(scores, visible, cfg.index_topk,
-                                         bf16_values=jnp.dtype(cfg.compute_dtype) == jnp.bfloat16)
+                                         bf16_values=cfg.scores_are_bf16)
         assert index_source_of(cfg, layer) >= 0, f"layer {layer} has no index source before it"
         chosen, chosen_ok = shared["topk"]
     if T <= 16 and choose(cfg, "sparse_mqa", rows=B * T, chunk=T, dtype=q.dtype, fmt="v41-rows",
