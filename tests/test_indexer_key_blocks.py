@@ -1,5 +1,6 @@
 """dsjax.layers.indexer.index_scores in key blocks (the bounded-memory form for long prompts, issue 9): the same
-scores, bit for bit, as the one-shot form, and the block size that the byte limit implies."""
+scores as the one-shot form up to the fp32 summation order XLA picks per shape, and the block size that the byte
+limit implies."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,8 @@ import pytest
 
 import dsjax
 from dsjax.layers import indexer
+from dsjax.layers.linear import einsum_acc32
+from dsjax.numerics import round_to
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +32,19 @@ def test_key_blocks_equal_the_one_shot_scores(test_seed, tiny_indexer, b, s, T, 
     one_shot = indexer.index_scores(x, q, keys, w, cfg)
     blocked = indexer.index_scores(x, q, keys, w, cfg, max_products_bytes=limit_keys * per_key)
     assert blocked.shape == one_shot.shape == (b, s, T) and blocked.dtype == one_shot.dtype
-    np.testing.assert_array_equal(np.asarray(blocked.astype(jnp.float32)), np.asarray(one_shot.astype(jnp.float32)))
-    assert np.asarray(one_shot.astype(jnp.float32)).max() > 0          # relu left something to compare
+    got, want = np.asarray(blocked.astype(jnp.float32)), np.asarray(one_shot.astype(jnp.float32))
+    # Not bit for bit: XLA:CPU picks the dot's and the head sum's fp32 order per shape, a block of 16 keys is another
+    # shape than 64 (seed 126762710: a few scores one or more bf16 steps apart). An order change moves a head's fp32
+    # product by ulps, which can flip its bf16 rounding (one bf16 ulp: at most 2^-7 of |p_h|, so of |term_h| after
+    # the weight), then the rounding of the weighted term (another 2^-7 of |term_h|) and the final rounding of the
+    # sum (2^-7 of |score|). Bound per score: 2^-6 Σ_h |term_h| + 2^-7 |score|; a key scored against the wrong
+    # query or dropped by the blocking is off by the whole score. Flips are rare: at least 95% must be equal.
+    products = np.asarray(round_to(einsum_acc32("bshd,btd->bsht", q, keys), dt).astype(jnp.float32))
+    weights = np.asarray(indexer.index_weights(x, w, cfg).astype(jnp.float32))
+    terms = np.abs(np.maximum(products, 0) * weights[..., None]).sum(axis=2)
+    np.testing.assert_array_less(np.abs(got - want), 2.0 ** -6 * terms + 2.0 ** -7 * np.abs(want) + 1e-30)
+    assert np.mean(got == want) >= 0.95, f"only {np.mean(got == want):.1%} of the scores are equal"
+    assert want.max() > 0          # relu left something to compare
 
 
 def test_blocks_start_where_the_products_pass_the_limit(tiny_indexer, monkeypatch):
