@@ -20,9 +20,8 @@ from dsjax.state import init_state
 
 
 # Jitted: one compile per layer and backend instead of hundreds of op-by-op dispatches (each its own compile).
-_attention = jax.jit(lambda x, w, st, start, n, *, cfg, layer: attention(x, w, cfg, layer, st, start, n),
-                     static_argnames=("cfg", "layer"))
-_moe = jax.jit(lambda x, tok, w, *, cfg: moe(x, tok, w, cfg), static_argnames=("cfg",))
+_attention = jax.jit(attention, static_argnames=("cfg", "layer"))
+_moe = jax.jit(moe, static_argnames=("cfg",))
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +43,8 @@ def test_attention_layers_match_xla(models, test_seed, T):
         kinds.setdefault(cfg.layer_ratio(i), i)
     for i in kinds.values():
         w = models["xla"].params.layers[i].attn
-        want, got = (np.asarray(_attention(x, w, st.layers[i], start, n, cfg=cfg.replace(kernels=k), layer=i)[0],
-                                np.float32) for k in ("xla", "pallas"))
+        want, got = (np.asarray(_attention(x, w, cfg.replace(kernels=k), i, st.layers[i], start, n)[0], np.float32)
+                     for k in ("xla", "pallas"))
         np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * np.abs(want).max(), err_msg=f"layer {i}")
     linears = kernel_choice.choices()["quant_linear"]    # the projections: the stored-format kernel at a verify block
     assert any(f"kernels=pallas rows={2 * T} chunk={T} " in c and c.endswith(f"-> {'xla' if 2 * T > 32 else 'pallas'}")
@@ -66,7 +65,7 @@ def test_moe_layer_matches_xla(models, test_seed, width):
         w = models["xla"].params.layers[cfg.n_hash_layers].ffn       # a top-k routed layer
     x = jax.random.normal(jax.random.key(test_seed), (2, 24, cfg.dim), jnp.float32).astype(jnp.bfloat16)
     tok = jax.random.randint(jax.random.key(test_seed + 1), (2, 24), 0, cfg.vocab_size)
-    want, got = (np.asarray(_moe(x, tok, w, cfg=cfg.replace(kernels=k)), np.float32) for k in ("xla", "pallas"))
+    want, got = (np.asarray(_moe(x, tok, w, cfg.replace(kernels=k)), np.float32) for k in ("xla", "pallas"))
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * np.abs(want).max())
 
 
