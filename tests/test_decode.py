@@ -21,8 +21,10 @@ from dsjax.params import init_params
 from dsjax.state import init_state
 
 VOCAB = 1024
-# window 8 and ratios 4 / 16 with the chunk sizes below: chunks split groups of both ratios and cross the window
-SMALL = dict(vocab_size=VOCAB, window_size=8, compress_ratios=(0, 4, 16, 4, 16, 4, 0), index_topk=4)
+# window 8 and ratios 4 / 16 with the chunk sizes below: chunks split groups of both ratios and cross the window.
+# One layer of each kind (window + hash routing, CSA, HCA) and the MTP layer: depth adds compile time, not cases.
+SMALL = dict(vocab_size=VOCAB, window_size=8, n_layers=3, compress_ratios=(0, 4, 16, 0), n_hash_layers=1,
+             index_topk=4)
 CHUNKS = (5, 3, 9, 1, 16, 14)     # 48 prompt tokens
 DECODE = 12
 
@@ -95,7 +97,8 @@ def test_chunked_prefill_and_decode_reference_presets(numerics, test_seed):
 
 @functools.lru_cache(maxsize=None)
 def loop_model():
-    return dsjax.load("tiny-v4", numerics="transformers", max_seq_len=128, max_batch=4, seed=3)
+    cfg = dsjax.preset("tiny-v4", **SMALL).with_numerics("transformers")
+    return dsjax.Model(cfg, init_params(cfg, 3), source="test", max_seq_len=128, max_batch=4)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,9 @@ from dsjax.sampling import SamplingParams, filtered_logprobs, make_sampling
 from dsjax.speculative import OracleDrafts, accept, spec_steps
 
 VOCAB = 1024
-SMALL = dict(vocab_size=VOCAB, window_size=8, compress_ratios=(0, 4, 16, 4, 16, 4, 0), index_topk=4)
+# one layer of each kind (window + hash routing, CSA, HCA) and the MTP layer: depth adds compile time, not cases
+SMALL = dict(vocab_size=VOCAB, window_size=8, n_layers=3, compress_ratios=(0, 4, 16, 0), n_hash_layers=1,
+             index_topk=4)
 
 
 @functools.lru_cache(maxsize=None)
