@@ -68,6 +68,15 @@ def _bucket(n: int, lo: int = 16) -> int:
     return b
 
 
+def stop_id_row(stop_token_ids) -> jax.Array:
+    """The distinct stop ids padded with -1 (no token's id) to a bucket of 8: requests with 0-8 stop ids share
+    one compiled loop instead of one per count."""
+    ids = sorted({int(t) for t in stop_token_ids})
+    row = np.full(_bucket(len(ids), 8), -1, np.int32)
+    row[:len(ids)] = ids
+    return jnp.asarray(row)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "mtp"), donate_argnames=("state",))
 def _prefill_chunk(params, tokens, next_tokens, state, n_valid, n_mtp, image=None, *, cfg: ModelConfig, mtp: bool):
     """One prompt chunk; with `mtp`, the MTP block also consumes the chunk's positions whose next token is known.
@@ -204,7 +213,7 @@ def stream(params, cfg: ModelConfig, prompts, opts: GenerateOptions, *, max_seq:
     sp = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]) if pad else a, sp)
     N = _bucket(opts.max_new_tokens)
     K = opts.logprobs
-    stop_ids = jnp.asarray(sorted({int(t) for t in opts.stop_token_ids}), jnp.int32)
+    stop_ids = stop_id_row(opts.stop_token_ids)
     max_new = jnp.asarray([opts.max_new_tokens] * B + [1] * pad, jnp.int32)
     lengths = np.array([len(r) for r in rows] + [1] * pad)
     t0 = time.perf_counter()
