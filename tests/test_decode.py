@@ -95,6 +95,12 @@ def test_chunked_prefill_and_decode_reference_presets(numerics, test_seed):
     assert flipped[0].size <= max(1, clear.sum() // 10), f"argmax flipped at clear positions {list(zip(*flipped))}"
 
 
+# The loop tests run on one worker with one batch bucket (2 rows), prefill chunk and dispatch size: they share one
+# compiled prefill chunk and one compiled loop (K=0), so each checks behaviour, not compile time.
+LOOP = dict(prefill_chunk=16, steps_per_dispatch=4)
+loop_group = pytest.mark.xdist_group("decode_loop")
+
+
 @functools.lru_cache(maxsize=None)
 def loop_model():
     cfg = dsjax.preset("tiny-v4", **SMALL).with_numerics("transformers")
@@ -120,63 +126,74 @@ def greedy_by_full_forward(model, prompt, n, width: int = 64):
     return ids[len(prompt):]
 
 
+@loop_group
 def test_generate_greedy_matches_full_forward(test_seed):
     model = loop_model()
     rng = np.random.default_rng(test_seed)
-    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (7, 23, 40)]
-    gens = model.generate(prompts, 10, stop_token_ids=[], prefill_chunk=16, steps_per_dispatch=4)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (7, 40)]  # rows 3 chunks apart
+    gens = model.generate(prompts, 10, stop_token_ids=[], **LOOP)
     for p, g in zip(prompts, gens):
         assert g.tokens == greedy_by_full_forward(model, p, 10)
         assert g.finish_reason == "length" and g.stats["steps"] == 9
 
 
+@loop_group
 def test_stop_ids_limits_and_frozen_rows(test_seed):
     model = loop_model()
     rng = np.random.default_rng(test_seed + 1)
     prompts = [rng.integers(2, VOCAB, n).tolist() for n in (9, 14)]
-    free = model.generate(prompts, 12, stop_token_ids=[])
+    free = model.generate(prompts, 12, stop_token_ids=[], **LOOP)
     # make row 0 stop at its 4th token or later, at a token it has not produced before (a tiny random model repeats
     # tokens: seed 473553049 drew [78312, 94057, 19751, 78312, ...]; none new: its first token)
     toks = free[0].tokens
     at = next((p for p in range(3, len(toks)) if toks[p] not in toks[:p]), 0)
     stop = toks[at]
-    gens = model.generate(prompts, 12, stop_token_ids=[stop])
+    gens = model.generate(prompts, 12, stop_token_ids=[stop], **LOOP)
     assert gens[0].tokens == toks[:at + 1] and gens[0].finish_reason == "stop"
     # row 1 keeps going (unless it meets the same id) and equals its solo run: row 0 stopping does not touch it
     cut = free[1].tokens.index(stop) + 1 if stop in free[1].tokens else 12
     assert gens[1].tokens == free[1].tokens[:cut]
     # the same prompt beside a twin instead of beside a row that stops (same shapes: no new compile)
-    solo = model.generate([prompts[1], prompts[1]], 12, stop_token_ids=[stop])
+    solo = model.generate([prompts[1], prompts[1]], 12, stop_token_ids=[stop], **LOOP)
     assert solo[0].tokens == gens[1].tokens
-    one = model.generate(prompts, 1, stop_token_ids=[])
+    one = model.generate(prompts, 1, stop_token_ids=[], **LOOP)
     assert [len(g.tokens) for g in one] == [1, 1]
 
 
+@loop_group
 def test_loop_compiles_once_for_many_requests(test_seed):
-    """Different prompt lengths, sampling settings, seeds and token budgets reuse one compiled loop."""
+    """Different prompt lengths, sampling settings, seeds, token budgets and stop lists reuse one compiled prefill
+    chunk and one compiled loop (none at all when an earlier test of the group compiled them)."""
+    from dsjax.generate import _prefill_chunk
+
     model = loop_model()
     rng = np.random.default_rng(test_seed + 2)
-    before = decode_steps._cache_size()
-    cases = [((11, 3), 16, 0.7), ((30, 2), 12, 0.0), ((5, 17), 9, 1.3), ((8, 8), 3, 0.2)]
-    for lengths, new, temp in cases:
+    before = decode_steps._cache_size(), _prefill_chunk._cache_size()
+    cases = [((11, 3), 16, 0.7, []), ((30, 2), 12, 0.0, [5]), ((5, 17), 9, 1.3, [7, 9, 11]), ((8, 8), 3, 0.2, [1])]
+    for lengths, new, temp, stops in cases:
         prompts = [rng.integers(2, VOCAB, n).tolist() for n in lengths]
-        model.generate(prompts, new, temperature=temp, seed=[1, 2], top_k=5, stop_token_ids=[])
-    assert decode_steps._cache_size() - before <= 1
+        model.generate(prompts, new, temperature=temp, seed=[1, 2], top_k=5, stop_token_ids=stops, **LOOP)
+    assert decode_steps._cache_size() - before[0] <= 1
+    assert _prefill_chunk._cache_size() - before[1] <= 1
 
 
+@loop_group
 def test_stream_yields_once_per_dispatch(test_seed):
     model = loop_model()
-    prompt = np.random.default_rng(test_seed + 3).integers(2, VOCAB, 12).tolist()
-    chunks = list(model.stream([prompt], 10, stop_token_ids=[], steps_per_dispatch=3))
-    assert [len(c[0]) for c in chunks] == [1, 3, 3, 3]
-    whole = model.generate([prompt], 10, stop_token_ids=[], steps_per_dispatch=3)  # the stream's compiled loop
-    assert [t for c in chunks for t in c[0]] == whole[0].tokens
+    rng = np.random.default_rng(test_seed + 3)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (12, 5)]
+    chunks = list(model.stream(prompts, 13, stop_token_ids=[], **LOOP))
+    assert [[len(row) for row in c] for c in chunks] == [[1, 1], [4, 4], [4, 4], [4, 4]]
+    whole = model.generate(prompts, 13, stop_token_ids=[], **LOOP)  # the stream's compiled loop
+    for r in range(2):
+        assert [t for c in chunks for t in c[r]] == whole[r].tokens
 
 
+@loop_group
 def test_logprobs_are_the_model_distribution(test_seed):
     model = loop_model()
     prompt = np.random.default_rng(test_seed + 4).integers(2, VOCAB, 6).tolist()
-    g = model.generate([prompt], 1, stop_token_ids=[], logprobs=3)[0]
+    g = model.generate([prompt, prompt[:3]], 1, stop_token_ids=[], logprobs=3, **LOOP)[0]
     ref = np.asarray(model.logits([prompt]))[0, -1].astype(np.float64)
     ref = ref - (ref.max() + np.log(np.exp(ref - ref.max()).sum()))
     assert abs(g.logprobs[0]["logprob"] - ref[g.tokens[0]]) < 1e-5
@@ -195,6 +212,7 @@ def test_logprobs_are_the_model_distribution(test_seed):
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(seed=[1, 2, 3]), "seed"),
 ])
+@loop_group
 def test_bad_generation_input(bad, match):
     model = loop_model()
     kw = dict(prompts=[[1, 2, 3]], max_new_tokens=4)

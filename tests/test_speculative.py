@@ -24,6 +24,9 @@ from dsjax.params import init_params
 from dsjax.sampling import SamplingParams, filtered_logprobs, make_sampling
 from dsjax.speculative import OracleDrafts, accept, spec_steps
 
+# One worker runs the module, and every prompt set's longest prompt lies in (16, 32]: the tests share the compiled
+# prefill chunks and the loops that their settings have in common (plain, k=1, k=3, k=3 with oracle drafts).
+pytestmark = pytest.mark.xdist_group("speculative")
 VOCAB = 1024
 # one layer of each kind (window + hash routing, CSA, HCA) and the MTP layer: depth adds compile time, not cases
 SMALL = dict(vocab_size=VOCAB, window_size=8, n_layers=3, compress_ratios=(0, 4, 16, 0), n_hash_layers=1,
@@ -41,10 +44,17 @@ def _prompts(seed, lengths):
     return [rng.integers(2, VOCAB, n).tolist() for n in lengths]
 
 
+def _oracle(plain, alpha):
+    """The plain greedy continuations as drafts (kept with probability alpha), padded to one width (80 ≥ 70 + k + 1)
+    so that both oracle tests run the same compiled loop."""
+    return OracleDrafts(jnp.asarray([p.tokens + [0] * (80 - len(p.tokens)) for p in plain], jnp.int32),
+                        jnp.float32(alpha))
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_spec_greedy_equals_plain_greedy(k, test_seed):
     m = model()
-    prompts = _prompts(test_seed, (6, 19, 33, 2))
+    prompts = _prompts(test_seed, (6, 19, 31, 2))
     plain = m.generate(prompts, 30, stop_token_ids=[])
     spd = 7 if k == 1 else 32  # k=1: many dispatch boundaries; k=3 shares its compiled loop with the tests below
     spec = m.generate(prompts, 30, stop_token_ids=[], speculative="mtp", num_draft_tokens=k, steps_per_dispatch=spd)
@@ -58,7 +68,7 @@ def test_oracle_drafts_are_accepted_in_full(test_seed):
     prompts = _prompts(test_seed + 1, (9, 26, 4, 13))
     # 69 tokens: the same buffer size (and so the same compiled loops) as the corrupted-oracle test's 70
     plain = m.generate(prompts, 69, stop_token_ids=[])
-    oracle = OracleDrafts(jnp.asarray([p.tokens + [0] * 8 for p in plain], jnp.int32), jnp.float32(1.0))
+    oracle = _oracle(plain, 1.0)
     spec = m.generate(prompts, 69, stop_token_ids=[], speculative="mtp", num_draft_tokens=k, oracle_drafts=oracle)
     for p, s in zip(plain, spec):
         assert s.tokens == p.tokens
@@ -71,9 +81,9 @@ def test_corrupted_oracle_matches_the_closed_form(test_seed):
     """Fresh prompts and sampling seed each run (printed); the 6-sigma bound makes a false failure ~1e-9."""
     seed = test_seed % (2 ** 31)
     m, k, alpha = model(), 3, 0.6
-    prompts = _prompts(seed, (5, 8, 11, 14))
+    prompts = _prompts(seed, (5, 8, 11, 21))
     plain = m.generate(prompts, 70, stop_token_ids=[])
-    oracle = OracleDrafts(jnp.asarray([p.tokens + [0] * 8 for p in plain], jnp.int32), jnp.float32(alpha))
+    oracle = _oracle(plain, alpha)
     spec = m.generate(prompts, 70, stop_token_ids=[], speculative="mtp", num_draft_tokens=k, oracle_drafts=oracle,
                       seed=seed)
     for p, s in zip(plain, spec):
@@ -110,7 +120,7 @@ def test_rejection_sampling_is_lossless(seed):
 
 def test_one_dispatch_runs_many_steps_without_host_callbacks(test_seed):
     m = model()
-    prompts = _prompts(test_seed + 3, (7, 12, 3, 5))
+    prompts = _prompts(test_seed + 3, (7, 12, 3, 18))
     gens = m.generate(prompts, 25, stop_token_ids=[], speculative="mtp", num_draft_tokens=3, steps_per_dispatch=32)
     assert all(g.stats["steps"] == 24 for g in gens)  # one dispatch (≤ 32 steps): 24 steps after the prefill's token
     jaxpr = str(jax.make_jaxpr(lambda *a: spec_steps.__wrapped__(*a, cfg=m.cfg, k=3, max_steps=4, max_seq=96))(
@@ -139,7 +149,7 @@ def test_reference_preset_matches_plain_greedy_until_a_near_tie(test_seed):
     decode-vs-recompute noise on logits, 0.09-0.34)."""
     cfg = dsjax.preset("tiny-v4", **SMALL).with_numerics("reference-bf16")
     m = dsjax.Model(cfg, init_params(cfg, 5), source="test", max_seq_len=96, max_batch=4)
-    prompts = _prompts(test_seed + 4, (6, 19, 33, 2))
+    prompts = _prompts(test_seed + 4, (6, 19, 31, 2))
     plain = m.generate(prompts, 30, stop_token_ids=[], logprobs=2)
     spec = m.generate(prompts, 30, stop_token_ids=[], speculative="mtp", num_draft_tokens=3)
     for p, s in zip(plain, spec):
@@ -150,7 +160,7 @@ def test_reference_preset_matches_plain_greedy_until_a_near_tie(test_seed):
 
 def test_forced_acceptance_is_simulated(test_seed):
     m = model()
-    prompts = _prompts(test_seed + 5, (7, 12, 3, 5))
+    prompts = _prompts(test_seed + 5, (7, 12, 3, 18))
     gens = m.generate(prompts, 17, stop_token_ids=[], speculative="mtp", num_draft_tokens=3, forced_acceptance=(3, 1))
     for g in gens:
         assert g.stats["simulated"] is True
@@ -167,7 +177,7 @@ def test_rollback_leaves_no_trace_in_the_caches(test_seed):
     from dsjax.state import init_state
 
     m = model()
-    prompts = _prompts(test_seed + 6, (7, 12, 3, 5))
+    prompts = _prompts(test_seed + 6, (7, 12, 3, 18))
     opts = G.GenerateOptions(max_new_tokens=26, stop_token_ids=(), speculative="mtp", num_draft_tokens=3)
     *_, last = G.stream(m.params, m.cfg, prompts, opts, max_seq=m.max_seq_len, max_batch=m.max_batch)
     carry = last[2]["carry"]
