@@ -13,7 +13,8 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from dsjax.config import ModelConfig
-from dsjax.weights import ArrayInfo, HyperMix, Linear, MoE, _attention_core, _hyper, _linear, _norm, pytree
+from dsjax.weights import (ArrayInfo, HyperMix, Linear, MoE, _attention_core, _ffn_linears, _hyper, _linear, _norm,
+                           pytree)
 
 
 @pytree
@@ -164,20 +165,13 @@ def _attention41(cfg: ModelConfig, layer: int) -> Attention41:
 
 def _moe41(cfg: ModelConfig, layer: int) -> MoE41:
     E = cfg.n_routed_experts if is_backbone(cfg, layer) else (cfg.dspark_n_routed_experts or cfg.n_routed_experts)
-    D, I = cfg.dim, cfg.moe_inter_dim
-    efmt = {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16"}[cfg.expert_dtype]
-    ex = dict(lead=(E,), lead_axes=("experts",), fmt=efmt)
+    D = cfg.dim
     bias = ArrayInfo((E,), jnp.float32, (None,), ("normal", 0.5))
     return MoE41(
         gate=ArrayInfo((E, D), jnp.bfloat16, (None, None), ("normal", (16.0 / D) ** 0.5)),
         gate_bias=bias,
         tid2eid=None,
-        w1=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),
-        w2=_linear(cfg, D, I, (None, "moe_ffn"), std=(0.01 / I) ** 0.5, **ex),
-        w3=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),
-        shared_w1=_linear(cfg, I, D, ("ffn", None), std=(4.0 / D) ** 0.5),
-        shared_w2=_linear(cfg, D, I, (None, "ffn"), std=(0.01 / I) ** 0.5),
-        shared_w3=_linear(cfg, I, D, ("ffn", None), std=(4.0 / D) ** 0.5),
+        **_ffn_linears(cfg, E),
         gate_bias_vl=bias if cfg.vision_enabled else None,
     )
 

@@ -227,21 +227,30 @@ def _attention_core(cfg: ModelConfig) -> dict:
     )
 
 
-def _moe(cfg: ModelConfig, layer: int) -> MoE:
-    E, D, I, k = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim, cfg.n_activated_experts
-    hashed = cfg.layer_uses_hash_routing(layer)
+def _ffn_linears(cfg: ModelConfig, E: int) -> dict:
+    """The MoE's E routed experts (stacked, in the config's expert format) and its shared expert: one layout and
+    one initialisation for V4 and V4.1."""
+    D, I = cfg.dim, cfg.moe_inter_dim
     efmt = {"fp4": "fp4", "fp8": "fp8", "bf16": "bf16"}[cfg.expert_dtype]
     ex = dict(lead=(E,), lead_axes=("experts",), fmt=efmt)
-    return MoE(
-        gate=ArrayInfo((E, D), jnp.bfloat16, (None, None), ("normal", (16.0 / D) ** 0.5)),
-        gate_bias=None if hashed else ArrayInfo((E,), jnp.float32, (None,), ("normal", 0.5)),
-        tid2eid=ArrayInfo((cfg.head_vocab_size or cfg.vocab_size, k), jnp.int32, (None, None), ("tid2eid",)) if hashed else None,
+    return dict(
         w1=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),
         w2=_linear(cfg, D, I, (None, "moe_ffn"), std=(0.01 / I) ** 0.5, **ex),
         w3=_linear(cfg, I, D, ("moe_ffn", None), std=(2.25 / D) ** 0.5, **ex),
         shared_w1=_linear(cfg, I, D, ("ffn", None), std=(4.0 / D) ** 0.5),
         shared_w2=_linear(cfg, D, I, (None, "ffn"), std=(0.01 / I) ** 0.5),
         shared_w3=_linear(cfg, I, D, ("ffn", None), std=(4.0 / D) ** 0.5),
+    )
+
+
+def _moe(cfg: ModelConfig, layer: int) -> MoE:
+    E, D, k = cfg.n_routed_experts, cfg.dim, cfg.n_activated_experts
+    hashed = cfg.layer_uses_hash_routing(layer)
+    return MoE(
+        gate=ArrayInfo((E, D), jnp.bfloat16, (None, None), ("normal", (16.0 / D) ** 0.5)),
+        gate_bias=None if hashed else ArrayInfo((E,), jnp.float32, (None,), ("normal", 0.5)),
+        tid2eid=ArrayInfo((cfg.head_vocab_size or cfg.vocab_size, k), jnp.int32, (None, None), ("tid2eid",)) if hashed else None,
+        **_ffn_linears(cfg, E),
     )
 
 
