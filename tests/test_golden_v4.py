@@ -28,11 +28,13 @@ def load_case(case_name: str, variant: str):
     return case, dsjax.load(case.path, numerics=VARIANTS[variant])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer"))
-def _block(h, ids, w, *, cfg, layer):
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _blocks(hs, ids, layers, *, cfg):
+    """Every block on its own input hs[layer], in one program (one compile instead of one per block)."""
     b, s = ids.shape
-    st = init_state(cfg, b, s).layers[layer]
-    return block_forward(h, ids, w, cfg, layer, st, jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32))[0]
+    st = init_state(cfg, b, s).layers
+    start, n = jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32)
+    return [block_forward(h, ids, w, cfg, layer, st[layer], start, n)[0] for layer, (h, w) in enumerate(zip(hs, layers))]
 
 
 @pytest.mark.parametrize("variant", ["bf16", "fp8"])
@@ -43,12 +45,10 @@ def test_blocks_teacher_forced(case_name, variant):
     cfg = model.cfg
     ids = jnp.asarray(case.inputs()["short_tokens"][:1].astype(np.int32))
     outs = case.golden(variant)["short/block_out_bf16bits"].view(ml_dtypes.bfloat16)  # [L, s, n, D]
-    h = embed(model.params, cfg, ids)
+    hs = [embed(model.params, cfg, ids)] + [jnp.asarray(outs[layer - 1][None]) for layer in range(1, cfg.n_layers)]
     report = []
-    for layer in range(cfg.n_layers):
-        if layer > 0:
-            h = jnp.asarray(outs[layer - 1][None])
-        ours = np.asarray(_block(h, ids, model.params.layers[layer], cfg=cfg, layer=layer)[0], np.float32)
+    for layer, got in enumerate(_blocks(hs, ids, model.params.layers, cfg=cfg)):
+        ours = np.asarray(got[0], np.float32)
         ref = outs[layer].astype(np.float32)
         ulps = bf16_ulps(ours, ref)
         within4 = float(np.mean(ulps <= 4))
