@@ -6,6 +6,8 @@ Layer by layer, not end to end: this random-weight model amplifies bf16 noise â€
 attention outputs alone moves its logits by ~0.1 of their scale (measured 1.0 of 10.6; the kernels: 1.2-1.9) â€”
 so an end-to-end bound loose enough never to flake would say little."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +21,18 @@ from dsjax.params import init_params
 from dsjax.state import init_state
 
 
-# Jitted: one compile per layer and backend instead of hundreds of op-by-op dispatches (each its own compile).
-_attention = jax.jit(attention, static_argnames=("cfg", "layer"))
-_moe = jax.jit(moe, static_argnames=("cfg",))
+# Jitted, both backends in one program: one compile per test instead of one per layer and backend (or hundreds
+# of op-by-op dispatches, each its own compile).
+@functools.partial(jax.jit, static_argnames=("cfg", "layers"))
+def _attention_both(x, ws, sts, start, n, *, cfg, layers):
+    """(xla, pallas) outputs of attention layer layers[j] with weights ws[j] and state sts[j]."""
+    return [tuple(attention(x, w, cfg.replace(kernels=k), i, st, start, n)[0] for k in ("xla", "pallas"))
+            for i, w, st in zip(layers, ws, sts)]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _moe_both(x, tok, w, *, cfg):
+    return tuple(moe(x, tok, w, cfg.replace(kernels=k)) for k in ("xla", "pallas"))
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +52,11 @@ def test_attention_layers_match_xla(models, test_seed, T):
     kinds = {}
     for i in range(cfg.n_layers):                       # the first layer of each kind
         kinds.setdefault(cfg.layer_ratio(i), i)
-    for i in kinds.values():
-        w = models["xla"].params.layers[i].attn
-        want, got = (np.asarray(_attention(x, w, cfg.replace(kernels=k), i, st.layers[i], start, n)[0], np.float32)
-                     for k in ("xla", "pallas"))
+    layers = tuple(kinds.values())
+    pairs = _attention_both(x, [models["xla"].params.layers[i].attn for i in layers], [st.layers[i] for i in layers],
+                            start, n, cfg=cfg, layers=layers)
+    for i, (want, got) in zip(layers, pairs):
+        want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
         np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * np.abs(want).max(), err_msg=f"layer {i}")
     linears = kernel_choice.choices()["quant_linear"]    # the projections: the stored-format kernel at a verify block
     assert any(f"kernels=pallas rows={2 * T} chunk={T} " in c and c.endswith(f"-> {'xla' if 2 * T > 32 else 'pallas'}")
@@ -65,7 +77,7 @@ def test_moe_layer_matches_xla(models, test_seed, width):
         w = models["xla"].params.layers[cfg.n_hash_layers].ffn       # a top-k routed layer
     x = jax.random.normal(jax.random.key(test_seed), (2, 24, cfg.dim), jnp.float32).astype(jnp.bfloat16)
     tok = jax.random.randint(jax.random.key(test_seed + 1), (2, 24), 0, cfg.vocab_size)
-    want, got = (np.asarray(_moe(x, tok, w, cfg.replace(kernels=k)), np.float32) for k in ("xla", "pallas"))
+    want, got = (np.asarray(y, np.float32) for y in _moe_both(x, tok, w, cfg=cfg))
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * np.abs(want).max())
 
 
