@@ -21,11 +21,13 @@ def _case(seed, rows=150):
     return m, scale, base
 
 
-@pytest.mark.parametrize("implementation,reciprocal,rows", [("xla", False, 150), ("pallas", False, 150),
-                                                             ("pallas", True, 150), ("pallas", False, 12)])
+# The divides (the default) and the reciprocals are each checked once: blocking is independent of which
+# (interpreting the 640 unrolled divides costs 16 s a case on this CPU, the reciprocal form 3 s).
+@pytest.mark.parametrize("implementation,reciprocal,rows", [("xla", False, 150), ("pallas", True, 150),
+                                                             ("pallas", False, 12)])
 def test_matches_the_reference(test_seed, implementation, reciprocal, rows):
     """150 rows in 64-row blocks (the last one partly padding); 12 rows: the default one-warp, 32-row program of
-    decode / verify calls."""
+    decode / verify calls, with the default divides."""
     m, scale, base = _case(test_seed, rows)
     kw = dict(n=N, iters=ITERS, eps=EPS)
     opts = dict(interpret=True, reciprocal=reciprocal) if implementation == "pallas" else {}
