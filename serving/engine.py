@@ -24,6 +24,7 @@ import numpy as np
 
 from dsjax.decode import LoopCarry, decode_steps
 from dsjax.errors import ConfigError
+from dsjax.generate import stop_id_row
 from dsjax.sampling import Penalties, SamplingParams
 from dsjax.serving.engine_steps import join_rows, prefill, replay_end
 from dsjax.serving.prefix_cache import PrefixCache, put_row, take_row
@@ -94,7 +95,7 @@ class SlotEngine:
         self._window_from = np.zeros(slots, np.int32)    # ... and the first with decoder window rows
         self.max_top = 0 if self.k else max_top_logprobs
         stops = (self.cfg.eos_token_id,) if stop_token_ids is None else stop_token_ids
-        self.stop_ids = jnp.asarray(sorted(set(stops)), jnp.int32)
+        self.stop_ids = stop_id_row(stops)
         self.stop_set = frozenset(int(t) for t in stops)
         self._fresh_device_state()
         # host mirrors of per-row settings; device copies are rebuilt when a row joins
