@@ -29,10 +29,11 @@ def _values(key, shape):
     return jnp.concatenate([quant.fp8_e4m3_sim(kv[..., :FMT.nope], FMT.block), kv[..., FMT.nope:]], -1).astype(jnp.bfloat16)
 
 
-def _case(seed, H, compact, T=24, B=2, picks=False):
-    """Row 0 starts at 3 (part of its window unwritten, early queries see no entry), row 1 at 37."""
+def _case(seed, H, compact, T=24, B=2, picks=False, starts=(3, 37)):
+    """Row 0 starts at 3 (part of its window unwritten, early queries see no entry), row 1 at 37 (or `starts`:
+    from 256 on, a kernel's first tile of 64 entries is visible to every query)."""
     ks = jax.random.split(jax.random.key(seed), 6)
-    start = jnp.array([3, 37][:B], jnp.int32)
+    start = jnp.array(starts[:B], jnp.int32)
     q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     N = int((start.max() + T) // RATIO)
     q = jax.random.normal(ks[0], (B, T, H, FMT.dim), jnp.float32).astype(jnp.bfloat16)
@@ -113,15 +114,16 @@ def test_block_ranges_cover_exactly_the_visible_blocks(test_seed):
     print(f"start {int(start[0])}: blocks per program {sorted(set((kb1 - kb0)[0].tolist()))}")
 
 
-@pytest.mark.parametrize("backend", ["triton", "mosaic", "mosaic-x2", "mosaic-overlap"])
+@pytest.mark.parametrize("backend", ["triton", "mosaic", "mosaic-x1", "mosaic-x2", "mosaic-overlap"])
 @pytest.mark.parametrize("picks", [False, True], ids=["window+hca", "window+csa-picks"])
 def test_pallas_lowers_for_h200(picks, backend):
     """V4 shapes (64 heads x 512, 584-byte FP8 rows, a 1,024-token chunk at 64k context) lower to Triton, and
-    through Mosaic GPU (wgmma operands, ~220 KB of shared memory, three warpgroups; x2: two partial-score
-    buffers beside one key stage — with two stages they pass the 232,448 bytes there are; overlap: the next tile's
-    Q·Kᵀ in flight through this one's softmax)."""
+    through Mosaic GPU (wgmma operands, ~200 KB of shared memory, three warpgroups; by default no partial-score
+    exchange; x1: one buffer; x2: two beside one key stage — with two stages they pass the 232,448 bytes there
+    are; overlap: the next tile's Q·Kᵀ in flight through this one's softmax)."""
     opts = {"mosaic-x2": dict(backend="mosaic", exchange_buffers=2, stages=1),
-            "mosaic-overlap": dict(backend="mosaic", overlap_qk=True)}.get(backend, dict(backend=backend))
+            "mosaic-x1": dict(backend="mosaic", exchange_buffers=1),
+            "mosaic-overlap": dict(backend="mosaic", exchange_buffers=1, overlap_qk=True)}.get(backend, dict(backend=backend))
     from dsjax.kernels.chunk_attention import Segment
     fmt = MainRowFormat()
     B, T, H, N = 1, 1024, 64, 512

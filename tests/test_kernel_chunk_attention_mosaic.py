@@ -1,8 +1,9 @@
 """dsjax.kernels.chunk_attention's Mosaic GPU kernel (backend="mosaic"): equal to the reference on fresh random
 inputs in Mosaic GPU interpret mode (a subprocess: tests/chunk_mosaic_worker.py says why), with 64-key tiles
 in two stages and in one (programs that walk more blocks than the pipeline has stages), bf16 and compact FP8
-rows, window + HCA and window + CSA picks, the next tile's Q·Kᵀ overlapped with this one's softmax (its CUDA
-lowering at V4 shapes: test_kernel_chunk_attention.py)."""
+rows, window + HCA and window + CSA picks, one or two partial-score buffers or none (each warpgroup's whole
+Q·Kᵀ), the next tile's Q·Kᵀ overlapped with this one's softmax (its CUDA lowering at V4 shapes:
+test_kernel_chunk_attention.py)."""
 
 import json
 import os

@@ -233,15 +233,19 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
     mm = None if smoke else jnp_matmul_tflops()
     emit(dict(op="matmul", impl="jnp", shape="8192^3 bf16", TFLOPs=mm))
     cases = [("hca", 2048), ("csa", 2048)] if smoke else [
-        (kind, ctx) for ctx in (8192, 65536, 131072, 1 << 20) for kind in ("window", "hca", "csa")]
+        (kind, ctx) for ctx in (8192, 65536, 131072, 1 << 20) for kind in ("window", "hca", "csa")] + [
+        ("hca", 1 << 18), ("hca", 1 << 19)]     # where HCA's dense XLA path overtakes the kernel
     # the Triton kernel and the Mosaic GPU (wgmma) one; the smoke run skips the latter (its interpret mode needs
     # ≥ 3 XLA:CPU threads: tests/chunk_mosaic_worker.py)
-    # (one partial-score buffer taken in turns, and two: one rendezvous a key tile instead of two, beside one
-    # stage of keys only; and the next tile's Q·Kᵀ in flight through this one's exchange and softmax)
-    configs = [{}] + ([] if smoke else [dict(backend="mosaic"),
-                                         dict(backend="mosaic", stages=1, exchange_buffers=2),
-                                         dict(backend="mosaic", overlap_qk=True)])
+    # (the default: no partial-score exchange, each warpgroup's whole Q·Kᵀ; and one buffer taken in turns, the
+    # default until 2026-12-05; with --sweep also two buffers: one rendezvous a key tile, beside one stage of keys
+    # only; the next tile's Q·Kᵀ in flight through this one's exchange; 128-key tiles in one stage: all three
+    # measured slower, 2026-12-02/04/05)
+    configs = [{}] + ([] if smoke else [dict(backend="mosaic"), dict(backend="mosaic", exchange_buffers=1)])
+    timed_everywhere = len(configs)
     if sweep:
+        configs += [dict(backend="mosaic", stages=1, exchange_buffers=2),
+                    dict(backend="mosaic", exchange_buffers=1, overlap_qk=True)]
         configs += [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st) for bq, bk, w, st in (
             (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3),
             (128, 64, 8, 1), (32, 64, 4, 2))]
@@ -264,7 +268,7 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
         base = dict(op="chunk_attention", case=f"{kind}@{ctx // 1024}k", tokens=T, context=ctx, flops=flops,
                     matmul_TFLOPs_jnp=mm)
         if kind == "csa" and ctx > 131072:      # the dense-mask XLA path would score all 262k entries per query
-            for opts in configs[:2]:
+            for opts in configs[:timed_everywhere]:
                 fn = run("pallas", **opts)
                 us = timer(fn, *args)
                 emit(dict(base, impl="pallas", options=opts, us=us, wall_us=wall(fn, *args), bytes=nbytes,
@@ -275,7 +279,7 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
         t_xla = timer(xla_fn, *args)
         emit(dict(base, impl="xla", us=t_xla, wall_us=wall(xla_fn, *args, calls=5), bytes=nbytes,
                   TFLOPs=flops / t_xla / 1e6))
-        for opts in (configs if kind == "hca" and ctx == 131072 else configs[:2]):
+        for opts in (configs if kind == "hca" and ctx == 131072 else configs[:timed_everywhere]):
             try:
                 fn = run("pallas", **opts)
                 err = rel_diff(fn(*args), want)

@@ -1,15 +1,19 @@
 """Chunk attention on Hopper tensor cores through Mosaic GPU (`plgpu.kernel`, wgmma): one block per 64 query rows,
-two compute warpgroups that split the head dimension, one TMA producer warpgroup.
+two compute warpgroups that split the head dimension of the output, one TMA producer warpgroup.
 
 Why the split: V4 heads are 512 wide, and a [64, 512] fp32 output accumulator is 256 registers a thread — more than
-a warpgroup has. So warpgroup w owns dims [w·d/2, (w+1)·d/2) of Q, of every key tile (K = V) and of the output: it
-computes the partial scores Q_w·K_wᵀ [64, block_k], the two partials meet in shared memory (16 KB for 64 x 64 fp32,
-one buffer taken in turns, or one per warpgroup: `exchange_buffers`) and each warpgroup adds the other's, so both
-hold the same full scores (a + b = b + a bit for bit) and run the same online softmax; then O_w += P·K_w on its
-half. No tensor-core work is repeated (the template kernel in jax.experimental.pallas.ops.gpu.attention_mgpu gives
-each warpgroup whole rows, which fits ≤ 256-wide heads only). The producer walks the program's visible key blocks
-(the same XLA-computed block ranges as the Triton kernel, `rows.chunk_rows`) and keeps `stages` tiles in flight,
-each with its lo / hi visibility bounds.
+a warpgroup has. So warpgroup w owns dims [w·d/2, (w+1)·d/2) of the output: O_w += P·V_w on its half of every key
+tile (K = V). The scores need all of d. By default (`exchange_buffers=0`) each warpgroup computes the whole Q·Kᵀ
+[64, block_k] itself, over both halves of Q and of the key tile: 1.5x the tensor-core work of a tile, but the two
+warpgroups never wait for each other inside the key loop, so one's softmax runs under the other's wgmma (H200,
+2026-12-05: 12% faster than exchanging partial scores for HCA at 1M, 1-8% elsewhere: docs/benchmarks.md). The
+alternative, each warpgroup's partial scores Q_w·K_wᵀ summed through shared memory (16 KB for 64 x 64 fp32, one
+buffer taken in turns, or one per warpgroup: `exchange_buffers` 1 / 2), does no tensor-core work twice but makes
+both warpgroups meet twice a tile and idle the tensor cores together during the exchange and the softmax (fp32
+addition commutes, so both hold the same scores). The template kernel in
+jax.experimental.pallas.ops.gpu.attention_mgpu gives each warpgroup whole rows, which fits ≤ 256-wide heads only.
+The producer walks the program's visible key blocks (the same XLA-computed block ranges as the Triton kernel,
+`rows.chunk_rows`) and keeps `stages` tiles in flight, each with its lo / hi visibility bounds.
 
 Numerics are the Triton kernel's (`common.online_softmax`, as in `flash_step`): fp32 scores, p rounded to the compute dtype against the
 running max before P·V, fp32 accumulation. Without picks the kernel divides by the sum plus the sink and writes
@@ -17,10 +21,10 @@ the output; with CSA picks it writes m, l and acc / l rounded to the compute dty
 a [64, 512] fp32 tile beside the key stages: one extra rounding of 2^-9 relative), which `rows.merge_picks`
 combines with the picks' partials.
 
-With `overlap_qk` each warpgroup issues the next key tile's Q·Kᵀ before it exchanges and softmaxes this one, and
-that wgmma retires with P·V's wait: FlashAttention-3's intra-warpgroup overlap, here also hiding the rendezvous,
-where both warpgroups otherwise leave the tensor cores idle together. Opt-in: the H200 timed it 1.48x slower than
-the default at hca@128k (docs/benchmarks.md, issue 9 item 9).
+With `overlap_qk` (and an exchange) each warpgroup issues the next key tile's Q·Kᵀ before it exchanges and
+softmaxes this one, and that wgmma retires with P·V's wait: FlashAttention-3's intra-warpgroup overlap, here also
+hiding the rendezvous. Opt-in: the H200 timed it 1.48x slower than the one-buffer exchange at hca@128k
+(docs/benchmarks.md, issue 9 item 9).
 
 In Mosaic GPU interpret mode (CPU tests) P·V is a dot of the loaded values: the interpreter has no `pl.run_state`,
 which the wgmma-into-a-register-accumulator form needs on the GPU; the lowering itself is tested for CUDA.
@@ -90,11 +94,15 @@ def step_table(ranges):
 
 
 def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format, block_k: int = 64,
-                    stages: int = 2, exchange_buffers: int = 1, overlap_qk: bool = False, interpret=None):
+                    stages: int = 2, exchange_buffers: int = 0, overlap_qk: bool = False, interpret=None):
     """`exchange_buffers`: 1 — the two warpgroups take one partial-score buffer in turns (two rendezvous a key
     tile); 2 — each writes its own buffer, one rendezvous, and a warpgroup waits only before overwriting its buffer
     until the other has read it (its QK of the next tile usually covers that). Two buffers take 16 KB more shared
     memory: they fit beside one stage of 64-key tiles only (two stages need 236,672 B, the H200 has 232,448).
+    0 — no exchange: each warpgroup computes the whole Q·Kᵀ over both halves itself (1.5x the tensor-core work of
+    a tile) and the two never meet inside the key loop, so one's softmax can run under the other's wgmma (the
+    warpgroup ping-pong of FlashAttention-3, left to the hardware's scheduling); they meet once, before the
+    output overwrites Q.
     `overlap_qk`: issue the next key tile's Q·Kᵀ before this tile's exchange and softmax (FlashAttention-3's
     intra-warpgroup overlap; one more [64, block_k] fp32 accumulator a thread); needs ≥ 2 stages (the next tile
     must be in another slot while this one is read)."""
@@ -107,11 +115,14 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
         raise ValueError(f"block_k {block_k} must be a multiple of 64 (the wgmma K group of P·V)")
     if stages < 1:
         raise ValueError(f"stages {stages} must be ≥ 1")
-    if exchange_buffers not in (1, 2):
-        raise ValueError(f"exchange_buffers {exchange_buffers} must be 1 or 2")
+    if exchange_buffers not in (0, 1, 2):
+        raise ValueError(f"exchange_buffers {exchange_buffers} must be 0, 1 or 2")
     if overlap_qk and stages < 2:
         raise ValueError(f"overlap_qk needs ≥ 2 stages (the next key tile in its own slot), got {stages}")
+    if overlap_qk and not exchange_buffers:
+        raise ValueError("overlap_qk hides the exchange: it needs exchange_buffers 1 or 2")
     double = exchange_buffers == 2
+    whole_qk = exchange_buffers == 0
     dh = d // COMPUTE_WGS
     cr = chunk_rows(q, q_pos, sink, segments, row_format, ROWS, block_k)
     R = cr.q.shape[1]
@@ -172,14 +183,16 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             plgpu.copy_gmem_to_smem(q_ref.at[b, mine, pl.ds(wg * dh, dh)], q_s.at[wg], q_bars.at[wg])
             for i in range(3):
                 plgpu.barrier_wait(misc_bars.at[i])
-            plgpu.barrier_wait(q_bars.at[wg])
+            for h in range(COMPUTE_WGS) if whole_qk else (wg,):     # whole: the other's Q half too
+                plgpu.barrier_wait(q_bars.at[h])
             n = steps_s[0]
             pos = plgpu.load(pos_s, layout=ROW)
             shape = (ROWS, block_k)
             row_pos = lax.broadcast_in_dim(pos, shape, [0])
 
             def qk_into(acc_ref, slot):
-                plgpu.wgmma(acc_ref, q_s.at[wg], k_s.at[slot, wg].transpose((1, 0)))
+                for h in range(COMPUTE_WGS) if whole_qk else (wg,):     # whole: both halves, in one accumulator
+                    plgpu.wgmma(acc_ref, q_s.at[h], k_s.at[slot, h].transpose((1, 0)))
 
             def scores(slot):
                 """This warpgroup's partial Q·Kᵀ of the tile in `slot`, waited for."""
@@ -211,7 +224,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             def finish(slot, part, other, acc, m, l):
                 """Scores -> online softmax -> acc += P·V_half; the key slot handed back to the producer."""
                 plgpu.barrier_wait(lohi_bars.at[slot])
-                s = (part + other) * scale
+                s = (part if other is None else part + other) * scale
                 lo = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 0], layout=COL), shape, [1])
                 hi = lax.broadcast_in_dim(plgpu.load(lohi_s.at[slot, 1], layout=COL), shape, [1])
                 m_new, alpha, pr, l = online_softmax(m, l, s, (lo <= row_pos) & (row_pos < hi))
@@ -226,9 +239,10 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             def tile(i, carry):
                 acc, m, l = carry
                 slot = lax.rem(i, stages)
-                plgpu.barrier_wait(k_bars.at[slot * COMPUTE_WGS + wg])
+                for h in range(COMPUTE_WGS) if whole_qk else (wg,):
+                    plgpu.barrier_wait(k_bars.at[slot * COMPUTE_WGS + h])
                 part = scores(slot)
-                return finish(slot, part, exchange(i, part), acc, m, l)
+                return finish(slot, part, None if whole_qk else exchange(i, part), acc, m, l)
 
             def overlapped_tile(i, carry):
                 """Tile i with tile i + 1's Q·Kᵀ issued first and left in flight through the exchange, the
@@ -257,6 +271,8 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
                 acc, m, l = lax.fori_loop(0, n, tile, init)
             if double:      # observe the last tile's read (every barrier phase is waited on)
                 pl.when(n > 0)(lambda: plgpu.barrier_wait(read_bars.at[wg]))
+            if whole_qk:    # the other warpgroup reads my Q half until its last Q·Kᵀ; my output overwrites it
+                rendezvous()
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
             if finalize:
                 denom = l + jnp.exp(plgpu.load(sink_s, layout=ROW) - m_safe)
@@ -289,7 +305,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             wgmma_smem((COMPUTE_WGS, ROWS, dh), dt),                      # Q halves, then the output halves
             wgmma_smem((stages, COMPUTE_WGS, block_k, dh), dt),           # key tiles (K = V), by half
             plgpu.SMEM((stages, 2, block_k), jnp.int32),                  # their lo / hi
-            plgpu.SMEM((exchange_buffers, ROWS, block_k), f32),           # the partial-score exchange
+            plgpu.SMEM((exchange_buffers, ROWS, block_k) if exchange_buffers else (1, 1), f32),  # partial scores
             plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((ROWS,), f32),     # row positions, row sinks
             plgpu.SMEM((steps.shape[-1],), jnp.int32), plgpu.SMEM((2, ROWS), f32),   # step table; m, l out
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
