@@ -23,9 +23,11 @@ _CHOSEN: dict[tuple, str] = {}
 
 def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int, entries: int) -> bool:
     """H200, jax 0.11.2, 2026-11-30 / 12-02 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
-    if op == "chunk_attention":  # the Mosaic kernel (12-02): window 2.1x, CSA 1.6x at 8k-1M, HCA 1.86x at 8k, 1.13x
-        # at 128k (1,024 entries) but 0.79x at 1M (8,192); the V4-Flash slice prefill 2-2.5% faster at 16k / 64k
-        return entries <= 1024
+    if op == "chunk_attention":  # the Mosaic kernel (12-05, no exchange, whole tiles unmasked): window 2.4x, CSA
+        # 1.65-1.7x at 8k-1M, HCA 2.1x at 8k, 1.52x at 128k (1,024 entries), 1.37x at 256k, 1.28x at 512k, 1.22x at
+        # 1M (8,192; 0.79x on 12-02, when XLA's dense path was kept there); the V4-Flash slice prefill 2-2.5% faster
+        # at 16k / 64k (12-02)
+        return True
     if op == "sparse_mqa":      # V4 rows: 1.37-1.46x at 32 slots x 6 queries, 0.7-0.95x at 1 slot; V4.1's FP8
         # window + FP4 rows: 1.10-1.12x at 32 slots, 0.48-0.73x at 1. Prefill shapes were not timed alone, and a
         # 1,024-token slice prefill ran slower with kernels

@@ -581,12 +581,15 @@ def online_softmax(m, l, logits, ok):
     """One key block of an online softmax over fp32 logits [rows, bk] (ok broadcastable to them), from the running
     max m and sum l [rows]: (new max, the old accumulators' rescale alpha, the block's weights p, new sum). Rows
     that have seen no key keep max -inf and weight 0. Broadcasts are spelled out: shared by the Triton kernels
-    (`flash_step`) and the Mosaic GPU chunk attention kernel, which has no implicit broadcasting."""
-    logits = jnp.where(ok, logits, -jnp.inf)
+    (`flash_step`) and the Mosaic GPU chunk attention kernel, which has no implicit broadcasting. ok None: every
+    logit visible (no mask). A masked logit is -inf, so its weight exp(-inf - finite max) is 0 without a second
+    select."""
+    if ok is not None:
+        logits = jnp.where(ok, logits, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp(m - m_safe)
-    p = jnp.where(ok, jnp.exp(logits - jax.lax.broadcast_in_dim(m_safe, logits.shape, [0])), 0.0)
+    p = jnp.exp(logits - jax.lax.broadcast_in_dim(m_safe, logits.shape, [0]))
     return m_new, alpha, p, alpha * l + jnp.sum(p, axis=1)
 
 
