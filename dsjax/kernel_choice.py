@@ -22,7 +22,7 @@ _CHOSEN: dict[tuple, str] = {}
 
 
 def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int, entries: int) -> bool:
-    """H200, jax 0.11.2, 2026-11-30 / 12-02 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
+    """H200, jax 0.11.2, 2026-11-30 to 12-05 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
     if op == "chunk_attention":  # the Mosaic kernel (12-05, no exchange, whole tiles unmasked): window 2.4x, CSA
         # 1.65-1.7x at 8k-1M, HCA 2.1x at 8k, 1.52x at 128k (1,024 entries), 1.37x at 256k, 1.28x at 512k, 1.22x at
         # 1M (8,192; 0.79x on 12-02, when XLA's dense path was kept there); the V4-Flash slice prefill 2-2.5% faster
