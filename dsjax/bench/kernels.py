@@ -234,7 +234,7 @@ def bench_chunk(emit, sweep: bool, smoke: bool = False):
     emit(dict(op="matmul", impl="jnp", shape="8192^3 bf16", TFLOPs=mm))
     cases = [("hca", 2048), ("csa", 2048)] if smoke else [
         (kind, ctx) for ctx in (8192, 65536, 131072, 1 << 20) for kind in ("window", "hca", "csa")] + [
-        ("hca", 1 << 18), ("hca", 1 << 19)]     # where HCA's dense XLA path overtakes the kernel
+        ("hca", 1 << 18), ("hca", 1 << 19)]     # between 128k and 1M, where XLA's dense HCA path was faster until 12-05
     # the Triton kernel and the Mosaic GPU (wgmma) one; the smoke run skips the latter (its interpret mode needs
     # ≥ 3 XLA:CPU threads: tests/chunk_mosaic_worker.py)
     # (the default: no partial-score exchange, each warpgroup's whole Q·Kᵀ; and one buffer taken in turns, the

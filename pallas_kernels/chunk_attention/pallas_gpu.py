@@ -185,7 +185,8 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             plgpu.copy_gmem_to_smem(q_ref.at[b, mine, pl.ds(wg * dh, dh)], q_s.at[wg], q_bars.at[wg])
             for i in range(3):
                 plgpu.barrier_wait(misc_bars.at[i])
-            for h in range(COMPUTE_WGS) if whole_qk else (wg,):     # whole: the other's Q half too
+            halves = range(COMPUTE_WGS) if whole_qk else (wg,)     # the Q and key halves my Q·Kᵀ reads
+            for h in halves:
                 plgpu.barrier_wait(q_bars.at[h])
             n = steps_s[0]
             pos = plgpu.load(pos_s, layout=ROW)
@@ -194,7 +195,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             row_pos = lax.broadcast_in_dim(pos, shape, [0])
 
             def qk_into(acc_ref, slot):
-                for h in range(COMPUTE_WGS) if whole_qk else (wg,):     # whole: both halves, in one accumulator
+                for h in halves:        # whole: both halves, into one accumulator
                     plgpu.wgmma(acc_ref, q_s.at[h], k_s.at[slot, h].transpose((1, 0)))
 
             def scores(slot):
@@ -250,7 +251,7 @@ def chunk_attention(q, q_pos, sink, segments, picks, *, scale: float, row_format
             def tile(i, carry):
                 acc, m, l = carry
                 slot = lax.rem(i, stages)
-                for h in range(COMPUTE_WGS) if whole_qk else (wg,):
+                for h in halves:
                     plgpu.barrier_wait(k_bars.at[slot * COMPUTE_WGS + h])
                 part = scores(slot)
                 return finish(slot, part, None if whole_qk else exchange(i, part), acc, m, l)
