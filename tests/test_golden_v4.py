@@ -3,6 +3,9 @@
 Tolerances come from the reference's own noise, recorded in each case's manifest: running a prompt row alone
 instead of batched moves its logits by up to `row_noise` (0.18-0.24 bf16, 0.71-1.31 fp8), because torch's CPU
 GEMMs round differently with the row count. An independent implementation cannot be closer than that.
+
+The prefill, decode and MTP checks of a variant read one compiled forward (`full_run`); the module runs on one
+xdist worker, so it compiles once.
 """
 
 import functools
@@ -19,6 +22,7 @@ from dsjax.state import init_state
 from golden_cases import bf16_ulps, discover
 
 CASES = discover("v4")
+pytestmark = pytest.mark.xdist_group("golden_v4")
 VARIANTS = {"bf16": "reference-bf16", "fp8": "reference-fp8"}
 
 
@@ -68,16 +72,48 @@ def test_blocks_teacher_forced(case_name, variant):
         assert within4 >= per_block, f"block {layer}: only {within4:.4%} of elements within 4 bf16 ulps"
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logits_and_mtp(params, ids, nxt, *, cfg):
+    """Main and MTP logits [b, s, V] of one forward (the MTP head sees h_i and token i+1, `nxt`)."""
+    from dsjax.model import forward_hidden_chunk, head_logits
+    from dsjax.mtp import mtp_hidden, mtp_logits
+
+    b, s = ids.shape
+    st = init_state(cfg, b, s, with_mtp=True)
+    h, st = forward_hidden_chunk(params, cfg, ids, st)
+    z, _ = mtp_hidden(params, cfg, h, nxt, st.mtp[0], jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32))
+    return head_logits(h, params, cfg, params.hc_head, params.norm), mtp_logits(params, cfg, z)
+
+
+@functools.lru_cache(maxsize=None)
+def full_run(case_name: str, variant: str, prompt: str):
+    """One compiled forward per variant serves the prefill, decode and MTP checks: the prompt followed by the
+    reference's decoded tokens, padded to the longest prompt's width (the model is causal: neither the tokens
+    after the prompt nor the padding move an earlier position's logits). -> (prompt length, decode steps, main
+    logits, MTP logits) over the unpadded positions."""
+    case, model = load_case(case_name, variant)
+    gold, inputs = case.golden(variant), case.inputs()
+    steps = gold[f"{prompt}/decode_logits"].shape[0]
+    width = max(inputs[f"{p}_tokens"].shape[1] for p in ("short", "long")) + steps
+    prompt_ids = inputs[f"{prompt}_tokens"].astype(np.int32)
+    toks = gold[f"{prompt}/decode_tokens"].astype(np.int32)
+    n = prompt_ids.shape[1]
+    ids = np.concatenate([prompt_ids, toks[:, :steps]], axis=1)
+    nxt = np.concatenate([ids[:, 1:], toks[:, steps:steps + 1]], axis=1)
+    pad = lambda a: jnp.asarray(np.pad(a, ((0, 0), (0, width - a.shape[1]))))  # noqa: E731
+    logits, mtp = _logits_and_mtp(model.params, pad(ids), pad(nxt), cfg=model.cfg)
+    return n, steps, np.asarray(logits[:, :n + steps]), np.asarray(mtp[:, :n + steps])
+
+
 @pytest.mark.parametrize("variant", ["bf16", "fp8"])
 @pytest.mark.parametrize("prompt", ["short", "long"])
 @pytest.mark.parametrize("case_name", [c.name for c in CASES])
 def test_prefill_logits(case_name, variant, prompt):
-    case, model = load_case(case_name, variant)
+    case, _ = load_case(case_name, variant)
     gold = case.golden(variant)
-    ids = case.inputs()[f"{prompt}_tokens"]
     pos = gold[f"{prompt}/prefill_positions"]
     ref = gold[f"{prompt}/prefill_logits"]
-    ours = np.asarray(model.logits(ids, positions=[int(p) for p in pos]))
+    ours = full_run(case_name, variant, prompt)[2][:, [int(p) for p in pos]]
     row_noise = case.noise(variant)["prefill_rows_run_one_at_a_time_vs_batched"][prompt]["max_abs"]
     diff = np.abs(ours - ref)
     per_position = diff.max(axis=-1).ravel()
@@ -97,14 +133,10 @@ def test_prefill_logits(case_name, variant, prompt):
 @pytest.mark.parametrize("case_name", [c.name for c in CASES])
 def test_decode_logits_by_full_forward(case_name, variant, prompt):
     """The reference's 8 decode steps, recomputed by our full-sequence forward over prompt + decoded tokens."""
-    case, model = load_case(case_name, variant)
+    case, _ = load_case(case_name, variant)
     gold = case.golden(variant)
-    prompt_ids = case.inputs()[f"{prompt}_tokens"]
-    toks = gold[f"{prompt}/decode_tokens"]
-    steps = gold[f"{prompt}/decode_logits"].shape[0]
-    ids = np.concatenate([prompt_ids, toks[:, :steps]], axis=1)
-    n = prompt_ids.shape[1]
-    ours = np.asarray(model.logits(ids, positions=list(range(n, n + steps))))  # [b, steps, V]
+    n, steps, logits, _ = full_run(case_name, variant, prompt)
+    ours = logits[:, n:n + steps]  # [b, steps, V]
     ref = np.moveaxis(gold[f"{prompt}/decode_logits"], 0, 1)
     noise = case.noise(variant)["decode_vs_full_recompute"][f"{prompt}/decode_vs_prefill_maxabs"]
     diff = np.abs(ours - ref).max(axis=(0, 2))
@@ -116,31 +148,14 @@ def test_decode_logits_by_full_forward(case_name, variant, prompt):
     assert diff.max() <= 4 * max(noise)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _mtp_logits_full(params, ids, nxt, *, cfg):
-    from dsjax.model import forward_hidden_chunk
-    from dsjax.mtp import mtp_hidden, mtp_logits
-
-    b, s = ids.shape
-    st = init_state(cfg, b, s, with_mtp=True)
-    h, st = forward_hidden_chunk(params, cfg, ids, st)
-    z, _ = mtp_hidden(params, cfg, h, nxt, st.mtp[0], jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32))
-    return mtp_logits(params, cfg, z)
-
-
 @pytest.mark.parametrize("variant", ["bf16", "fp8"])
 @pytest.mark.parametrize("prompt", ["short", "long"])
 @pytest.mark.parametrize("case_name", [c.name for c in CASES])
 def test_mtp_logits(case_name, variant, prompt):
     """The MTP head over the prompt (h_i + token i+1 -> token i+2) and at the 8 decode positions."""
-    case, model = load_case(case_name, variant)
+    case, _ = load_case(case_name, variant)
     gold = case.golden(variant)
-    prompt_ids = case.inputs()[f"{prompt}_tokens"].astype(np.int32)
-    toks = gold[f"{prompt}/decode_tokens"].astype(np.int32)
-    n, steps = prompt_ids.shape[1], gold[f"{prompt}/decode_logits"].shape[0]
-    ids = np.concatenate([prompt_ids, toks[:, :steps]], axis=1)
-    nxt = np.concatenate([ids[:, 1:], toks[:, steps:steps + 1]], axis=1)
-    ours = np.asarray(_mtp_logits_full(model.params, jnp.asarray(ids), jnp.asarray(nxt), cfg=model.cfg))
+    n, steps, _, ours = full_run(case_name, variant, prompt)
     pos = gold[f"{prompt}/prefill_positions"]
     ref = np.concatenate([gold[f"{prompt}/mtp_prefill_logits"], np.moveaxis(gold[f"{prompt}/mtp_logits"][1:], 0, 1)], 1)
     got = np.concatenate([ours[:, pos], ours[:, n:n + steps]], axis=1)
