@@ -21,7 +21,7 @@ log = logging.getLogger("dsjax.kernels")
 _CHOSEN: dict[tuple, str] = {}
 
 
-def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int, entries: int) -> bool:
+def _measured_faster(op: str, rows: int, fmt: str | None, chunk: int) -> bool:
     """H200, jax 0.11.2, 2026-11-30 to 12-05 (docs/benchmarks.md): where the Pallas kernel beat XLA."""
     if op == "chunk_attention":  # the Mosaic kernel (12-05, no exchange, whole tiles unmasked): window 2.4x, CSA
         # 1.65-1.7x at 8k-1M, HCA 2.1x at 8k, 1.52x at 128k (1,024 entries), 1.37x at 256k, 1.28x at 512k, 1.22x at
@@ -58,7 +58,8 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
     """The implementation of `op` for a call with `rows` query rows / tokens in compute `dtype`, `chunk` tokens
     per sequence (1 decode, k+1 verify, more for prefill chunks). `operands`: the large arrays the kernel would
     index (KV caches); one the Triton lowering cannot address (`kernels.common.offsets_fit`) means XLA.
-    `entries`: compressed entries every query of a chunk may see (an HCA layer's cache; 0 elsewhere)."""
+    `entries`: compressed entries every query of a chunk may see (an HCA layer's cache; 0 elsewhere): logged with
+    the choice, which no longer depends on it (the chunk kernel beats XLA at every measured context)."""
     from dsjax.kernels.common import offsets_fit
 
     mode, overrides = split_kernels(cfg.kernels)
@@ -73,7 +74,7 @@ def choose(cfg, op: str, *, rows: int, dtype, fmt: str | None = None, sharded: b
         if mode == "pallas":
             impl = "pallas" if usable else "xla"
         else:
-            impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt, chunk, entries) else "xla"
+            impl = "pallas" if usable and jax.default_backend() == "gpu" and _measured_faster(op, rows, fmt, chunk) else "xla"
     key = (op, mode, rows, chunk, str(jnp.dtype(dtype)), fmt, sharded, addressable, entries)
     if key not in _CHOSEN:
         _CHOSEN[key] = impl

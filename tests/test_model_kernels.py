@@ -188,16 +188,21 @@ def test_per_op_overrides_take_precedence():
 
 def test_auto_prefill_attention_rule():
     """On the H200 "auto" takes the chunk kernel for every layer kind at every context: measured faster than XLA
-    (window, CSA, and HCA from 64 to 8,192 shared entries: 1.22x at a 1M cache since 2026-12-05)."""
-    faster = lambda entries: kernel_choice._measured_faster("chunk_attention", 2048, None, 1024, entries)  # noqa: E731
-    assert faster(0) and faster(1024) and faster(8192)
+    (window, CSA, and HCA from 64 to 8,192 shared entries: 1.22x at a 1M cache since 2026-12-05), so the rule
+    reads no context at all; off the GPU, "auto" keeps XLA."""
+    assert kernel_choice._measured_faster("chunk_attention", 2048, None, 1024)
+    cfg = dsjax.config.preset("tiny-v4").replace(kernels="auto")
+    want = "pallas" if jax.default_backend() == "gpu" else "xla"
+    for entries in (0, 1024, 8192):
+        assert kernel_choice.choose(cfg, "chunk_attention", rows=2048, chunk=1024, dtype=jnp.bfloat16,
+                                    entries=entries) == want
 
 
 def test_auto_indexer_rule():
     """The indexer kernels where measured faster on the H200: decode-sized calls (≤ 8 rows: scoring + top-k)
     and prefill chunks of ≥ 64 tokens (`layers.chunk_indexer`: the scores); not verify-sized batches in between
     (32 slots x 6 queries: 0.94x). Off the GPU, "auto" keeps XLA."""
-    faster = lambda rows, chunk: kernel_choice._measured_faster("indexer_topk", rows, None, chunk, 0)  # noqa: E731
+    faster = lambda rows, chunk: kernel_choice._measured_faster("indexer_topk", rows, None, chunk)  # noqa: E731
     assert faster(6, 6) and faster(1024, 1024) and faster(2048, 1024) and not faster(192, 6)
     cfg = dsjax.config.preset("tiny-v4").replace(kernels="auto")
     want = "pallas" if jax.default_backend() == "gpu" else "xla"
