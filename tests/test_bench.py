@@ -383,6 +383,36 @@ def test_moe_profile_lists_the_calls_kernels(tmp_path, capsys):
         assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
+    """`bench moe_read_ceiling`: the loads-only kernels (interpreted) XOR exactly the words of their experts' rows,
+    K split included, an unused tile reads nothing; each part is timed; an option set the kernel refuses is
+    reported and the run goes on; unknown options are refused with exit 2. Then the CUDA lowering at V4-Flash's
+    shapes (the same grid and pipeline as the GEMM kernels)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.bench import moe_read_ceiling
+    from lower_h200 import lower_for_h200
+
+    out = tmp_path / "r.jsonl"
+    assert moe_read_ceiling.main(["--smoke", "--tokens", "1", "--configs", '[{"k_splits": 2}, {"k_splits": 3}]',
+                                  "--out", str(out)]) == 0
+    head, *recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert head["shapes"]["k"] == 6
+    timed = [r for r in recs if "us" in r]
+    assert {r["part"] for r in timed} == {"up", "down", "both"} and all(r["us"] > 0 for r in timed)
+    assert timed[0]["bytes"] == 6 * 2 * 512 * 512 // 2
+    (refused,) = [r for r in recs if "error" in r]
+    assert refused["options"] == {"k_splits": 3} and "whole steps" in refused["error"]
+    with pytest.raises(SystemExit) as exc:
+        moe_read_ceiling.main(["--smoke", "--configs", '[{"pairs": 8}]'])
+    assert exc.value.code == 2 and "pairs" in capsys.readouterr().err
+    S = jax.ShapeDtypeStruct
+    text = lower_for_h200(lambda g, u, x: moe_read_ceiling.read_words([g, u], x, interpret=False),
+                          S((256, 2048, 512), jnp.uint32), S((256, 2048, 512), jnp.uint32), S((6,), jnp.int32))
+    assert "mosaic_gpu" in text
+
+
 def test_moe_profile_names_each_kernels_source_line(tmp_path):
     """`moe_profile --dump`: in a fresh process (XLA reads the dump flag at start-up), every kernel gets a source
     entry, and the expert matmuls' kernels point at the MoE op's own files."""

@@ -1,0 +1,194 @@
+"""How fast can the MoE op's expert weights be read at all, in the grids of its two Mosaic kernels?
+
+Issue 8 asks ≥ 75% of the copy rate at 1-8 decode tokens. At one token the whole op must then take ~25 µs
+(80 MB), and its two FP4 GEMM kernels already take ~34 µs (docs/benchmarks.md, the 12-04 profiles): is the gap
+the kernels' work (FP4 decode, wgmma, scales, the pipeline's waits) or the shape itself (192 programs of 16
+serial 256-column steps, two launches)? This times kernels that do only the loads — the same grid, BlockSpec,
+tiling, swizzle and pipeline stages as `moe_gemm.mosaic_fp4.tile_gemm`, each step XOR-ing its words into a
+register carry (the codes only: the GEMMs' block scales add 1/16 of their bytes) — for the up projection (gate + up, K = D) and the down projection (K = I) of the distinct experts
+a random top-k routing of n tokens picks, one launch each and both in one jit, beside the torch copy rate of the
+same run. If the read-only pair is itself under 75%, no kernel of this shape meets the target, and the next
+design is a different grid (more programs, a K split, one persistent launch), not a faster step.
+
+    python -m dsjax.bench.moe_read_ceiling --tokens 1,2,4,8 --configs '[{}, {"stages": 3}, {"k_splits": 2}]'
+    python -m dsjax.bench.moe_read_ceiling --smoke        # tiny shapes, interpreted (a CPU check)
+
+Prints µs per launch and the share of the copy rate; --out writes JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsjax.kernels.common import fp4_words, gpu_interpret
+from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT
+
+READ_OPTIONS = ("block_k", "stages", "k_splits")
+
+
+def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits: int = 1, interpret=None):
+    """The loads of `tile_gemm`'s weight pipeline alone. stacks: u32 words [E, n_out, K / 8] (one per Linear a
+    program reads: gate and up, or down); experts int32 [T] (-1: a tile that reads nothing). -> u32 [T, k_splits,
+    n_out, block_k / 8]: the XOR of every word a program read (so no load can be dropped), by row and word slot."""
+    E, n_out, Kw = stacks[0].shape
+    W = block_k // 8
+    if n_out % ROWS or Kw % (W * k_splits):
+        raise ValueError(f"moe_read_ceiling: n_out {n_out} must be a multiple of {ROWS} and the {Kw} words a row "
+                         f"whole steps of {W} for each of {k_splits} splits")
+    steps = Kw // W // k_splits
+    T, n = experts.shape[0], len(stacks)
+    exp_rows = jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))      # 16-byte TMA rows
+    interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
+
+    def body(e_ref, *refs):
+        w_refs, out_ref, e_s, o_s, bar = refs[:n], refs[n], refs[n + 1], refs[n + 2], refs[n + 3]
+        t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
+        plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        e = e_s[0]
+
+        @pl.when(e >= 0)
+        def _tile():
+            def step(_, *refs_and_carry):
+                acc = refs_and_carry[n]
+                for w_s in refs_and_carry[:n]:
+                    acc = acc ^ plgpu.load(w_s, layout=WORDS_LAYOUT)
+                return acc
+
+            spec = plgpu.BlockSpec((None, ROWS, W), lambda k: (e, r, split * steps + k),
+                                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+            zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
+            acc = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec] * n, max_concurrent_steps=stages,
+                                      init_carry=zero)(*w_refs)
+            o_s[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, split, pl.ds(r * ROWS, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((T, k_splits, n_out, W), jnp.uint32),
+        grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
+        scratch_types=[plgpu.SMEM((4,), jnp.int32), plgpu.SMEM((ROWS, W), jnp.uint32),
+                       plgpu.Barrier(num_barriers=1)],
+        interpret=interp)
+    return kernel(exp_rows, *stacks)
+
+
+def read_words_reference(stacks, experts, *, block_k: int = 256, k_splits: int = 1):
+    """`read_words`' contract in numpy: each program's XOR over its experts' rows and steps."""
+    W = block_k // 8
+    out = []
+    for e in np.asarray(experts):
+        words = np.bitwise_xor.reduce([np.asarray(s[e]) for s in stacks]) if e >= 0 else None
+        if words is None:
+            out.append(None)
+            continue
+        n_out, Kw = words.shape
+        by_split = words.reshape(n_out, k_splits, Kw // W // k_splits, W)
+        out.append(np.bitwise_xor.reduce(by_split, axis=2).transpose(1, 0, 2))   # [splits, n_out, W]
+    return out
+
+
+def weight_words(key, E: int, n_out: int, K: int):
+    """Random FP4 codes as the kernels read them: u32 [E, n_out, K / 8] (8 codes a word)."""
+    codes = jax.random.randint(key, (E, n_out, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    return fp4_words(codes)
+
+
+def option_list(text: str) -> list[dict]:
+    """argparse `type`: a JSON list of `read_words` options."""
+    try:
+        configs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+        raise argparse.ArgumentTypeError("expected a JSON list of objects, e.g. [{\"stages\": 3}]")
+    bad = sorted({k for c in configs for k in c} - set(READ_OPTIONS))
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown option(s) {', '.join(bad)}; choose from {', '.join(READ_OPTIONS)}")
+    return configs
+
+
+def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smoke: bool) -> list[dict]:
+    """The up launch, the down launch and both in one jit, timed on the device (one dispatch, many calls)."""
+    from dsjax.bench.kernels import time_us_looped
+
+    gate, up, down = stacks
+    D, I = dims
+    opts = dict(cfg, interpret=True) if smoke else dict(cfg)
+    up_fn = jax.jit(lambda g, u, x: read_words([g, u], x, **opts))
+    down_fn = jax.jit(lambda d, x: read_words([d], x, **opts))
+    both_fn = jax.jit(lambda g, u, d, x: (read_words([g, u], x, **opts), read_words([d], x, **opts)))
+    if smoke:                                   # the contract, on the interpreter, with an unused tile last
+        tiles = jnp.append(experts, -1)
+        got = up_fn(gate, up, tiles)
+        want = read_words_reference([gate, up], tiles, **{k: v for k, v in cfg.items() if k != "stages"})
+        for got, ref in zip(got, want):
+            if ref is not None:
+                np.testing.assert_array_equal(np.asarray(got), ref)
+    nbytes = {"up": n_experts * 2 * I * D // 2, "down": n_experts * D * I // 2}     # FP4 codes: half a byte each
+    nbytes["both"] = nbytes["up"] + nbytes["down"]
+    timer = functools.partial(time_us_looped, **(dict(repeat=1, rounds=1) if smoke else {}))
+    times = {"up": timer(lambda x, g, u: up_fn(g, u, x), experts, gate, up),
+             "down": timer(lambda x, d: down_fn(d, x), experts, down),
+             "both": timer(lambda x, g, u, d: both_fn(g, u, d, x), experts, gate, up, down)}
+    out = []
+    for part, us in times.items():
+        share = None if copy is None else nbytes[part] / (us * 1e-6) / (copy * 1e9)
+        out.append(dict(tokens=n, experts=n_experts, options=cfg, part=part, us=us, bytes=nbytes[part],
+                        copy_share=share))
+        print(f"{n} tokens ({n_experts} experts) {json.dumps(cfg)} {part}: {us:.1f} µs, {nbytes[part] / 1e6:.1f} MB"
+              + ("" if share is None else f", {share:.1%} of the copy rate"))
+    return out
+
+
+def main(argv=None) -> int:
+    from dsjax.bench.kernels import moe_shapes, token_counts
+    from dsjax.bench.report import run_info
+    from dsjax.bench.roofline import torch_roofline
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default=[1, 2, 4, 8], type=token_counts, help="token counts (default 1,2,4,8)")
+    p.add_argument("--configs", default="[{}]", type=option_list,
+                   help=f"JSON list of option sets ({', '.join(READ_OPTIONS)}); {{}} = the GEMM kernels' defaults")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (a CPU check)")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    argv_list = sys.argv[1:] if argv is None else argv
+
+    E, D, I, k = (16, 512, 512, 6) if args.smoke else moe_shapes(False)     # smoke: two 256-column steps a row
+    roof = torch_roofline()
+    copy = roof.get("copy_GBps")
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    gate, up, down = weight_words(k1, E, I, D), weight_words(k2, E, I, D), weight_words(k3, E, D, I)
+    lines = [dict(run_info("moe_read_ceiling", argv_list), roofline=roof, shapes=dict(E=E, D=D, I=I, k=k))]
+    print(f"copy rate {copy if copy is None else round(copy, 1)} GB/s (torch, this run)")
+    for n in args.tokens:
+        rng = np.random.default_rng(n)
+        picked = np.unique(np.concatenate([rng.permutation(E)[:k] for _ in range(n)]))
+        experts = jnp.asarray(picked, jnp.int32)
+        for cfg in args.configs:
+            try:
+                lines += measure(n, len(picked), cfg, experts, (gate, up, down), (D, I), copy, args.smoke)
+            except ValueError as e:                 # an option set the kernel refuses: reported, not fatal
+                print(f"{n} tokens {json.dumps(cfg)}: {e}")
+                lines.append(dict(tokens=n, options=cfg, error=str(e)))
+    if args.out:
+        with open(args.out, "a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
