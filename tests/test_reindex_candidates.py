@@ -1,5 +1,5 @@
 """V4.1 Reindex layers scoring only their candidates (`reindex_scope="candidates"`, dsjax.layers.reindex) give the
-same model as scoring every key and masking: the tiny V4.1 model's logits bit for bit, over a prompt long enough
+same model as scoring every key and masking: a 5-layer tiny V4.1 model's logits bit for bit, over a prompt long enough
 that most visible entries are not candidates (tiny-v41 keeps 3 blocks of 4 entries; 80 tokens at ratio 1 see up
 to 80), in two chunks, the gathered keys made in blocks of queries; and the blocks against one piece. Exact by construction (module docstring): each head's dot of FP4-quantised
 q and keys is exact in fp32 whatever else is scored beside it, and the picks' order is kept."""
@@ -28,9 +28,16 @@ def _logits(params, ids, *, cfg, chunks):
     return jnp.concatenate(outs, axis=1)
 
 
+# tiny-v41 cut to 5 layers (test_dspark's cut): one Reindex layer (4) after the candidate source (3), a 512-token
+# vocabulary; the full preset's 10 layers and 129k head only added compile time (each form is compiled once)
+SMALL = dict(vocab_size=512, n_layers=5, compress_ratios=(0, 2, 2, 1, 1, 0, 0, 0), kv_source_layers=(1, 3),
+             index_source_layers=(1, 3, 4), candidate_source_layer=3, engram_layer_ids=(1,),
+             engram_num_embeddings=(630,), dspark_target_layer_ids=(2, 3, 4), vision_n_layers=0)
+
+
 def test_candidates_only_gives_the_same_logits(test_seed, monkeypatch):
     chunks = 2
-    cfg = preset("tiny-v41").with_numerics("reference-bf16")
+    cfg = preset("tiny-v41", **SMALL).with_numerics("reference-bf16")
     mine = cfg.replace(reindex_scope="candidates")
     assert reindex.applies(mine) and not reindex.applies(cfg)
     params = init_params(cfg, test_seed % 1000)
