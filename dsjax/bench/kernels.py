@@ -528,18 +528,23 @@ def token_counts(text: str) -> list[int]:
     return counts
 
 
-def moe_option_list(text: str) -> list[dict]:
-    """--moe-configs: a JSON list of option objects, each key one of `MOE_OPTIONS` (a clear error otherwise)."""
+def option_list(text: str, allowed) -> list[dict]:
+    """argparse `type` body for a JSON list of option objects whose keys lie in `allowed` (a clear error otherwise)."""
     try:
         configs = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
         raise argparse.ArgumentTypeError("expected a JSON list of objects, e.g. [{\"block_m\": 1}]")
-    bad = sorted({k for c in configs for k in c if k not in MOE_OPTIONS})
+    bad = sorted({k for c in configs for k in c if k not in allowed})
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown option(s) {', '.join(bad)}; choose from {', '.join(MOE_OPTIONS)}")
+        raise argparse.ArgumentTypeError(f"unknown option(s) {', '.join(bad)}; choose from {', '.join(allowed)}")
     return configs
+
+
+def moe_option_list(text: str) -> list[dict]:
+    """--moe-configs: a JSON list of option objects, each key one of `MOE_OPTIONS`."""
+    return option_list(text, MOE_OPTIONS)
 
 
 def main(argv=None) -> int:

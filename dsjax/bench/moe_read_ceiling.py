@@ -105,18 +105,11 @@ def weight_words(key, E: int, n_out: int, K: int):
     return fp4_words(codes)
 
 
-def option_list(text: str) -> list[dict]:
-    """argparse `type`: a JSON list of `read_words` options."""
-    try:
-        configs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
-        raise argparse.ArgumentTypeError("expected a JSON list of objects, e.g. [{\"stages\": 3}]")
-    bad = sorted({k for c in configs for k in c} - set(READ_OPTIONS))
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown option(s) {', '.join(bad)}; choose from {', '.join(READ_OPTIONS)}")
-    return configs
+def read_option_list(text: str) -> list[dict]:
+    """argparse `type`: a JSON list of `read_words` options (`READ_OPTIONS`)."""
+    from dsjax.bench.kernels import option_list
+
+    return option_list(text, READ_OPTIONS)
 
 
 def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smoke: bool) -> list[dict]:
@@ -159,7 +152,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default=[1, 2, 4, 8], type=token_counts, help="token counts (default 1,2,4,8)")
-    p.add_argument("--configs", default="[{}]", type=option_list,
+    p.add_argument("--configs", default="[{}]", type=read_option_list,
                    help=f"JSON list of option sets ({', '.join(READ_OPTIONS)}); {{}} = the GEMM kernels' defaults")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (a CPU check)")
     p.add_argument("--out", default=None, help="append JSON lines here")
