@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsjax.kernels.common import fp4_words, gpu_interpret
-from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT
+from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT, expert_rows, weight_spec
 
 READ_OPTIONS = ("block_k", "stages", "k_splits")
 
@@ -47,7 +47,6 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
                          f"whole steps of {W} for each of {k_splits} splits")
     steps = Kw // W // k_splits
     T, n = experts.shape[0], len(stacks)
-    exp_rows = jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))      # 16-byte TMA rows
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
 
     def body(e_ref, *refs):
@@ -65,8 +64,7 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
                     acc = acc ^ plgpu.load(w_s, layout=WORDS_LAYOUT)
                 return acc
 
-            spec = plgpu.BlockSpec((None, ROWS, W), lambda k: (e, r, split * steps + k),
-                                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+            spec = weight_spec(W, e, r, split * steps)
             zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
             acc = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec] * n, max_concurrent_steps=stages,
                                       init_carry=zero)(*w_refs)
@@ -81,7 +79,7 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
         scratch_types=[plgpu.SMEM((4,), jnp.int32), plgpu.SMEM((ROWS, W), jnp.uint32),
                        plgpu.Barrier(num_barriers=1)],
         interpret=interp)
-    return kernel(exp_rows, *stacks)
+    return kernel(expert_rows(experts), *stacks)
 
 
 def read_words_reference(stacks, experts, *, block_k: int = 256, k_splits: int = 1):
@@ -89,10 +87,10 @@ def read_words_reference(stacks, experts, *, block_k: int = 256, k_splits: int =
     W = block_k // 8
     out = []
     for e in np.asarray(experts):
-        words = np.bitwise_xor.reduce([np.asarray(s[e]) for s in stacks]) if e >= 0 else None
-        if words is None:
+        if e < 0:
             out.append(None)
             continue
+        words = np.bitwise_xor.reduce([np.asarray(s[e]) for s in stacks])
         n_out, Kw = words.shape
         by_split = words.reshape(n_out, k_splits, Kw // W // k_splits, W)
         out.append(np.bitwise_xor.reduce(by_split, axis=2).transpose(1, 0, 2))   # [splits, n_out, W]
@@ -126,9 +124,9 @@ def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smok
         tiles = jnp.append(experts, -1)
         got = up_fn(gate, up, tiles)
         want = read_words_reference([gate, up], tiles, **{k: v for k, v in cfg.items() if k != "stages"})
-        for got, ref in zip(got, want):
-            if ref is not None:
-                np.testing.assert_array_equal(np.asarray(got), ref)
+        for tile_got, tile_want in zip(got, want):
+            if tile_want is not None:
+                np.testing.assert_array_equal(np.asarray(tile_got), tile_want)
     nbytes = {"up": n_experts * 2 * I * D // 2, "down": n_experts * D * I // 2}     # FP4 codes: half a byte each
     nbytes["both"] = nbytes["up"] + nbytes["down"]
     timer = functools.partial(time_us_looped, **(dict(repeat=1, rounds=1) if smoke else {}))

@@ -164,6 +164,18 @@ def _scale_column_mgpu(sc_s, j: int, q):
     return column(sc_s, qv)
 
 
+def expert_rows(experts):
+    """int32 [T] tile experts -> [T, 4]: one 16-byte row a tile (TMA copies whole 16-byte rows), expert first."""
+    return jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))
+
+
+def weight_spec(W: int, expert, row_block, first_step):
+    """The pipeline's BlockSpec of one Linear's weight words: [64 rows, W words] of `expert`'s row block, step k at
+    word column (first_step + k) * W; 128-byte swizzled rows (W = 32 at 256 columns a step)."""
+    return plgpu.BlockSpec((None, ROWS, W), lambda k: (expert, row_block, first_step + k),
+                           transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+
+
 def epilogue(accs, weight, swiglu_limit):
     """fp32 sums of one Linear (y) or two (gate, up) -> bf16: y rounded, or h = round(swiglu(round(g), round(u)) ·
     weight) — the Triton kernels' fused epilogue; in the kernel, or after `tile_gemm`'s K splits are added."""
@@ -215,7 +227,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     # ue8m0 bytes -> u32 words of 4 blocks; a program's 64 rows are contiguous: [E * n_out / 64, 4Q, 16] (rows of
     # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
     scales = [fp4_words(l.scale).reshape(E * n_out // ROWS, 4 * Q, 16) for l in lins]
-    exp_rows = jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))     # 16-byte TMA rows
+    exp_rows = expert_rows(experts)
     pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
     interpreting = interp not in (None, False)
@@ -304,8 +316,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                     new.append(acc)
                 return tuple(new)
 
-            spec = plgpu.BlockSpec((None, ROWS, W), lambda k: (e, r, split * steps + k),
-                                   transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+            spec = weight_spec(W, e, r, split * steps)
             # the pair rows stream beside the weights (nb blocks a step): loaded whole up front they were the
             # largest buffer (64 KB at K = 4096 in bf16), waited for before the first weight load
             x_spec = plgpu.BlockSpec((None, nb, N, BLOCK), lambda k: (t, split * steps + k, 0, 0),
