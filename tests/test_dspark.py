@@ -44,15 +44,13 @@ from dsjax.speculative import OracleDrafts, accept
 from dsjax.v41_model import forward_hidden41, head_logits41, stream_mean
 from dsjax.v41_state import init_state41
 from golden_cases import bf16_ulps, discover
+from tiny_v41_cut import FIVE_LAYERS
 
 pytestmark = pytest.mark.xdist_group("dspark")
 CASES = discover("v4.1")
 
-VOCAB, K, NEW, MAX_SEQ = 512, 5, 55, 112  # 55 = the prefill's token + 9 steps of k+1
-SMALL = dict(vocab_size=VOCAB, dspark_noise_token_id=500, n_layers=5, compress_ratios=(0, 2, 2, 1, 1, 0, 0, 0),
-             kv_source_layers=(1, 3), index_source_layers=(1, 3, 4), candidate_source_layer=3,
-             engram_layer_ids=(1,), engram_num_embeddings=(630,), dspark_target_layer_ids=(2, 3, 4), window_size=8,
-             vision_n_layers=0)  # no ViT: the image token id would lie outside the small vocabulary
+VOCAB, K, NEW, MAX_SEQ = FIVE_LAYERS["vocab_size"], 5, 55, 112  # 55 = the prefill's token + 9 steps of k+1
+SMALL = dict(FIVE_LAYERS, dspark_noise_token_id=500, window_size=8)
 
 
 # ---------------------------------------------------------------------------------------------- golden

@@ -16,6 +16,7 @@ from dsjax.layers import reindex
 from dsjax.params import init_params
 from dsjax.v41_model import forward_hidden41, head_logits41
 from dsjax.v41_state import init_state41
+from tiny_v41_cut import FIVE_LAYERS  # one Reindex layer (4) after the candidate source (3)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunks"))
@@ -28,16 +29,9 @@ def _logits(params, ids, *, cfg, chunks):
     return jnp.concatenate(outs, axis=1)
 
 
-# tiny-v41 cut to 5 layers (test_dspark's cut): one Reindex layer (4) after the candidate source (3), a 512-token
-# vocabulary; the full preset's 10 layers and 129k head only added compile time (each form is compiled once)
-SMALL = dict(vocab_size=512, n_layers=5, compress_ratios=(0, 2, 2, 1, 1, 0, 0, 0), kv_source_layers=(1, 3),
-             index_source_layers=(1, 3, 4), candidate_source_layer=3, engram_layer_ids=(1,),
-             engram_num_embeddings=(630,), dspark_target_layer_ids=(2, 3, 4), vision_n_layers=0)
-
-
 def test_candidates_only_gives_the_same_logits(test_seed, monkeypatch):
     chunks = 2
-    cfg = preset("tiny-v41", **SMALL).with_numerics("reference-bf16")
+    cfg = preset("tiny-v41", **FIVE_LAYERS).with_numerics("reference-bf16")
     mine = cfg.replace(reindex_scope="candidates")
     assert reindex.applies(mine) and not reindex.applies(cfg)
     params = init_params(cfg, test_seed % 1000)
