@@ -20,6 +20,7 @@ import numpy as np
 from dsjax import config, sharding
 from dsjax.api import Model
 from dsjax.bench.collectives import COLLECTIVE  # one pattern for the tests and `dsjax bench tp`
+from dsjax.generate import _chunk_ids, _prefill_chunk
 from dsjax.model import forward_chunk
 from dsjax.params import init_params
 from dsjax.state import init_state
@@ -27,6 +28,7 @@ from dsjax.weights import describe, is_info
 
 MESHES = {"1x8": (1, 8, "tp"), "2x4": (2, 4, "tp"), "ep8": (2, 4, "all")}
 MAX_SEQ, NEW_TOKENS, DECODE_STEPS = 128, 32, 4
+PREFILL_CHUNK = 32  # generate's chunk for these prompts: the next power of two over the longest (28)
 
 
 def test_config(ep: str = "tp"):
@@ -50,14 +52,20 @@ def on(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
-def run_model(cfg, mesh, host_params, tokens, prompts):
-    """On one mesh (None: one device): prefill logits of a chunk, logits of the decode steps after it, the
-    compiled decode step's HLO text, and greedy generations through the on-device loop with top-2 logprobs."""
+def run_model(cfg, mesh, host_params, prompts):
+    """On one mesh (None: one device): the prompts' prefill logits, logits of the decode steps after it, the
+    compiled decode step's HLO text, and greedy generations through the on-device loop with top-2 logprobs. The
+    prefill is the loop's own compiled chunk (the same function, shapes and shardings: compiled once for both)."""
     params = place(cfg, mesh, host_params)
-    with on(mesh):
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    with on(mesh):  # inputs made on the mesh, as generate makes them
+        chunk = jnp.asarray(_chunk_ids(prompts, len(prompts), 0, PREFILL_CHUNK))
+        state = init_state(cfg, len(prompts), MAX_SEQ)
+        prefill, _, state = _prefill_chunk(params, chunk, chunk, state, jnp.asarray(lengths), jnp.asarray(lengths),
+                                           None, cfg=cfg, mtp=False)
+        at_last = jnp.take_along_axis(prefill, jnp.asarray(lengths - 1)[:, None, None], axis=1)  # keeps dp
+        last = jnp.argmax(at_last[:, 0], axis=-1).astype(jnp.int32)[:, None]
         step = jax.jit(lambda p, t, s: forward_chunk(p, cfg, t, s))
-        prefill, state = step(params, tokens, init_state(cfg, tokens.shape[0], MAX_SEQ))
-        last = jnp.argmax(prefill[:, -1], axis=-1).astype(jnp.int32)[:, None]
         decode_step = step.lower(params, last, state).compile()
         decode = []
         for _ in range(DECODE_STEPS):
@@ -65,7 +73,8 @@ def run_model(cfg, mesh, host_params, tokens, prompts):
             decode.append(np.asarray(logits[:, 0]))
             last = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)[:, None]
     gens = Model(cfg, params, max_seq_len=MAX_SEQ, max_batch=4, mesh=mesh).generate(prompts, NEW_TOKENS, logprobs=2)
-    return {"prefill": np.asarray(prefill), "decode": np.stack(decode), "hlo": decode_step.as_text(),
+    valid = np.arange(PREFILL_CHUNK)[None, :] < lengths[:, None]  # padded positions are no row's logits
+    return {"prefill": np.asarray(prefill)[valid], "decode": np.stack(decode), "hlo": decode_step.as_text(),
             "greedy": [g.tokens for g in gens],
             "margins": [[t["top"][0][1] - t["top"][1][1] for t in g.logprobs] for g in gens]}
 
@@ -98,17 +107,16 @@ def main(seed: int) -> dict:
     rng = np.random.default_rng(seed)
     cfg = test_config()
     host = init_params(cfg, seed, put=np.asarray)  # the sharding rules do not change the weights
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 24)), jnp.int32)
-    prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (5, 17, 9, 12)]
+    prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (5, 28, 9, 19)]
     t0 = time.perf_counter()
-    ref = run_model(cfg, None, host, tokens, prompts)
+    ref = run_model(cfg, None, host, prompts)
     out: dict = {"seed": seed, "single": {"greedy": ref["greedy"], "margins": ref["margins"],
                                           "seconds": time.perf_counter() - t0},
                  "layer_kinds": [cfg.layer_kind(i) for i in range(cfg.n_layers)], "meshes": {}}
     for name, (dp, tp, ep) in MESHES.items():
         t0 = time.perf_counter()
         cfg_ep = test_config(ep)
-        got = run_model(cfg_ep, sharding.make_mesh(tp, dp), host, tokens, prompts)
+        got = run_model(cfg_ep, sharding.make_mesh(tp, dp), host, prompts)
         per_layer, gathered = collectives(cfg_ep, got["hlo"])
         out["meshes"][name] = {
             "prefill_max_abs": float(np.abs(got["prefill"] - ref["prefill"]).max()),
