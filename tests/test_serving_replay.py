@@ -3,9 +3,10 @@
 their decoder layers when their prompt ends must give what `Model.generate(prefill_schedule="replay")` gives.
 
 numerics="transformers" (fp32) is batch-invariant, so a row's tokens cannot depend on its slot, its neighbours or
-how its prompt was chunked: served greedy tokens and logprobs must equal generate's. tiny-v41: window 16, the
-ratio-1 source at layer 6 (encoder layers 0-5); prompts of 9, 37 and 70 tokens (shorter than, 2x and 4x the
-window), the third joining while the others prefill and decode.
+how its prompt was chunked: served greedy tokens and logprobs must equal generate's. tiny-v41 cut to its 5 layers
+with every CSA2 role (tests/tiny_v41_cut.py): window 16, the ratio-1 source at layer 3 (encoder layers 0-2, Engram
+at 1); prompts of 9, 37 and 70 tokens (shorter than, 2x and 4x the window), the third joining while the others
+prefill and decode. The image case needs the ViT: the whole preset.
 """
 
 import numpy as np
@@ -14,19 +15,27 @@ import pytest
 import dsjax
 from dsjax.errors import ConfigError
 from dsjax.serving.config import ServeConfig
+from dsjax.params import init_params
 from dsjax.serving.engine import RowSampling, SlotEngine
+from tiny_v41_cut import FIVE_LAYERS
 
 NEW = 4
 
 
 @pytest.fixture(scope="module")
 def model():
+    cfg = dsjax.preset("tiny-v41", **FIVE_LAYERS).with_numerics("transformers")
+    return dsjax.Model(cfg, init_params(cfg, 5), source="test", max_seq_len=128, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def vision_model():
     return dsjax.load("tiny-v41", numerics="transformers", max_seq_len=128, max_batch=4, compilation_cache=None)
 
 
 def _prompts(seed):
     rng = np.random.default_rng(seed)
-    return [[0] + rng.integers(3, 120_000, size=n - 1).tolist() for n in (9, 37, 70)]
+    return [[0] + rng.integers(3, FIVE_LAYERS["vocab_size"], size=n - 1).tolist() for n in (9, 37, 70)]
 
 
 def _serve(engine, prompts):
@@ -89,11 +98,12 @@ def test_replay_engine_refuses_what_it_cannot_serve(model):
         ServeConfig(prefill_schedule="replay", speculative_config={"method": "mtp"}).validate()
 
 
-def test_replay_with_an_image(model, test_seed):
+def test_replay_with_an_image(vision_model, test_seed):
     """Images under the replay: the encoder embeds the span, and the decoder layers see its positions again
     (the kept image mask routes them with the VL bias). A prompt with its 8-position span within the 16-token
     window is replayed whole, so it must equal the exact schedule. (The serving engine hands its chunk's image
     to the same `encode_chunk41`.)"""
+    model = vision_model
     rng = np.random.default_rng(test_seed)
     image = rng.integers(0, 256, (40, 64, 3), dtype=np.uint8)
     prompt = [0, 128803, model.cfg.image_token_id, 4000, 128804, 128822]      # 5 text + 8 span positions
