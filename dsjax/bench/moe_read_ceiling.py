@@ -8,9 +8,10 @@ tiling, swizzle and pipeline stages as `moe_gemm.mosaic_fp4.tile_gemm`, each ste
 register carry (the codes only: the GEMMs' block scales add 1/16 of their bytes) — for the up projection (gate + up, K = D) and the down projection (K = I) of the distinct experts
 a random top-k routing of n tokens picks, one launch each and both in one jit, beside the torch copy rate of the
 same run. If the read-only pair is itself under 75%, no kernel of this shape meets the target, and the next
-design is a different grid (more programs, a K split, one persistent launch), not a faster step.
+design is a different grid (more programs, a K split, one persistent launch: `programs`), not a faster step.
 
     python -m dsjax.bench.moe_read_ceiling --tokens 1,2,4,8 --configs '[{}, {"stages": 3}, {"k_splits": 2}]'
+    python -m dsjax.bench.moe_read_ceiling --configs '[{"programs": 132}, {"programs": 132, "stages": 4}]'
     python -m dsjax.bench.moe_read_ceiling --smoke        # tiny shapes, interpreted (a CPU check)
 
 Prints µs per launch and the share of the copy rate; --out writes JSON lines.
@@ -31,15 +32,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsjax.kernels.common import fp4_words, gpu_interpret
-from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT, expert_rows, weight_spec
+from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT, expert_rows, weight_block_spec, weight_spec
 
-READ_OPTIONS = ("block_k", "stages", "k_splits")
+READ_OPTIONS = ("block_k", "stages", "k_splits", "programs")
 
 
-def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits: int = 1, interpret=None):
+def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits: int = 1, programs: int = 0,
+               interpret=None):
     """The loads of `tile_gemm`'s weight pipeline alone. stacks: u32 words [E, n_out, K / 8] (one per Linear a
     program reads: gate and up, or down); experts int32 [T] (-1: a tile that reads nothing). -> u32 [T, k_splits,
-    n_out, block_k / 8]: the XOR of every word a program read (so no load can be dropped), by row and word slot."""
+    n_out, block_k / 8]: the XOR of every word a program read (so no load can be dropped), by row and word slot.
+    programs > 0: the persistent shape instead (`read_words_persistent`)."""
+    if programs:
+        if k_splits != 1:
+            raise ValueError("moe_read_ceiling: a persistent launch splits the steps itself (k_splits must be 1)")
+        return read_words_persistent(stacks, experts, programs=programs, block_k=block_k, stages=stages,
+                                     interpret=interpret)
     E, n_out, Kw = stacks[0].shape
     W = block_k // 8
     if n_out % ROWS or Kw % (W * k_splits):
@@ -80,6 +88,81 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
                        plgpu.Barrier(num_barriers=1)],
         interpret=interp)
     return kernel(expert_rows(experts), *stacks)
+
+
+def read_words_persistent(stacks, experts, *, programs: int, block_k: int = 256, stages: int = 2, interpret=None):
+    """One launch of `programs` programs (e.g. one an SM) streaming every tile's (64-row block, step) loads in turn
+    through ONE pipeline each — program p takes global steps [p·per, (p+1)·per) of the T x row blocks x steps in
+    that order, so no pipeline drains and refills at a tile's end, and no wave is left part-empty. -> u32
+    [programs, 64, block_k / 8]: the XOR of every word a program read (an unused tile's loads are made, of expert
+    0, and left out of the XOR)."""
+    E, n_out, Kw = stacks[0].shape
+    W = block_k // 8
+    if n_out % ROWS or Kw % W:
+        raise ValueError(f"moe_read_ceiling: n_out {n_out} must be a multiple of {ROWS} and the {Kw} words a row "
+                         f"whole steps of {W}")
+    T, n = experts.shape[0], len(stacks)
+    R, S = n_out // ROWS, Kw // W
+    U = T * R * S
+    per = -(-U // programs)
+    interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
+
+    def body(e_ref, *refs):
+        w_refs, out_ref, e_s, o_s, bar = refs[:n], refs[n], refs[n + 1], refs[n + 2], refs[n + 3]
+        p = lax.axis_index("p")
+        plgpu.copy_gmem_to_smem(e_ref, e_s, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        first = p * per
+        count = jnp.clip(U - first, 0, per)
+
+        def tile_of(i):                      # step i of this program -> (tile, row block, column block)
+            g = jnp.minimum(first + i, U - 1)  # a program past the end reads the last step once
+            return g // (R * S), g // S % R, g % S
+
+        def index_map(i):
+            t, r, k = tile_of(i)
+            return jnp.maximum(e_s[t, 0], 0), r, k
+
+        def step(idx, *refs_and_carry):
+            acc = refs_and_carry[n]
+            keep = every_bit(e_s[tile_of(idx[0])[0], 0] >= 0)
+            for w_s in refs_and_carry[:n]:
+                acc = acc ^ (plgpu.load(w_s, layout=WORDS_LAYOUT) & keep)
+            return acc
+
+        zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
+        acc = plgpu.emit_pipeline(step, grid=(jnp.maximum(count, 1),), in_specs=[weight_block_spec(W, index_map)] * n,
+                                  max_concurrent_steps=stages, init_carry=zero)(*w_refs)
+        o_s[...] = acc & every_bit(count > 0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, out_ref.at[p])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((programs, ROWS, W), jnp.uint32), grid=(programs,), grid_names=("p",),
+        scratch_types=[plgpu.SMEM((T, 4), jnp.int32), plgpu.SMEM((ROWS, W), jnp.uint32),
+                       plgpu.Barrier(num_barriers=1)],
+        interpret=interp)
+    return kernel(expert_rows(experts), *stacks)
+
+
+def every_bit(flag):
+    """A u32 scalar of all ones where flag, else 0: a mask for `&` (the kernel's select does not broadcast)."""
+    return jnp.uint32(0) - flag.astype(jnp.uint32)
+
+
+def read_words_persistent_reference(stacks, experts, *, programs: int, block_k: int = 256):
+    """`read_words_persistent`'s contract in numpy."""
+    W = block_k // 8
+    E, n_out, Kw = stacks[0].shape
+    blocks = []
+    for e in np.asarray(experts):
+        words = np.bitwise_xor.reduce([np.asarray(s[max(e, 0)]) for s in stacks]) * (e >= 0)
+        blocks.append(words.reshape(n_out // ROWS, ROWS, Kw // W, W).transpose(0, 2, 1, 3).reshape(-1, ROWS, W))
+    flat = np.concatenate(blocks)
+    per = -(-len(flat) // programs)
+    flat = np.concatenate([flat, np.zeros((per * programs - len(flat), ROWS, W), flat.dtype)])
+    return np.bitwise_xor.reduce(flat.reshape(programs, per, ROWS, W), axis=1)
 
 
 def read_words_reference(stacks, experts, *, block_k: int = 256, k_splits: int = 1):
@@ -123,10 +206,14 @@ def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smok
     if smoke:                                   # the contract, on the interpreter, with an unused tile last
         tiles = jnp.append(experts, -1)
         got = up_fn(gate, up, tiles)
-        want = read_words_reference([gate, up], tiles, **{k: v for k, v in cfg.items() if k != "stages"})
-        for tile_got, tile_want in zip(got, want):
-            if tile_want is not None:
-                np.testing.assert_array_equal(np.asarray(tile_got), tile_want)
+        ref_opts = {k: v for k, v in cfg.items() if k not in ("stages", "programs")}
+        if cfg.get("programs"):
+            want = read_words_persistent_reference([gate, up], tiles, programs=cfg["programs"], **ref_opts)
+            np.testing.assert_array_equal(np.asarray(got), want)
+        else:
+            for tile_got, tile_want in zip(got, read_words_reference([gate, up], tiles, **ref_opts)):
+                if tile_want is not None:
+                    np.testing.assert_array_equal(np.asarray(tile_got), tile_want)
     nbytes = {"up": n_experts * 2 * I * D // 2, "down": n_experts * D * I // 2}     # FP4 codes: half a byte each
     nbytes["both"] = nbytes["up"] + nbytes["down"]
     timer = functools.partial(time_us_looped, **(dict(repeat=1, rounds=1) if smoke else {}))

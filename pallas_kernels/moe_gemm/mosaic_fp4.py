@@ -172,7 +172,12 @@ def expert_rows(experts):
 def weight_spec(W: int, expert, row_block, first_step):
     """The pipeline's BlockSpec of one Linear's weight words: [64 rows, W words] of `expert`'s row block, step k at
     word column (first_step + k) * W; 128-byte swizzled rows (W = 32 at 256 columns a step)."""
-    return plgpu.BlockSpec((None, ROWS, W), lambda k: (expert, row_block, first_step + k),
+    return weight_block_spec(W, lambda k: (expert, row_block, first_step + k))
+
+
+def weight_block_spec(W: int, index_map):
+    """`weight_spec` with any map of the pipeline step to (expert, 64-row block, W-word column block)."""
+    return plgpu.BlockSpec((None, ROWS, W), index_map,
                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
 
 
