@@ -386,7 +386,7 @@ def test_moe_profile_lists_the_calls_kernels(tmp_path, capsys):
 def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     """`bench moe_read_ceiling`: the loads-only kernels (interpreted) XOR exactly the words of their experts' rows,
     K split included, an unused tile reads nothing; the persistent launch too, with a program past the end (15
-    programs of 8 steps over 112: the last has none); each part is timed; an option set the kernel refuses is
+    programs of 8 steps over 112: the last has none), folding the FP4 decode's words in step order; each part is timed; an option set the kernel refuses is
     reported and the run goes on; unknown options are refused with exit 2. Then the CUDA lowering at V4-Flash's
     shapes (the same grid and pipeline as the GEMM kernels; and the persistent launch, one program an SM)."""
     import jax
@@ -396,7 +396,7 @@ def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     from lower_h200 import lower_for_h200
 
     out = tmp_path / "r.jsonl"
-    assert moe_read_ceiling.main(["--smoke", "--tokens", "1", "--configs", '[{"k_splits": 2}, {"k_splits": 3}, {"programs": 15}]',
+    assert moe_read_ceiling.main(["--smoke", "--tokens", "1", "--configs", '[{"k_splits": 2}, {"k_splits": 3}, {"programs": 15, "decode": true}]',
                                   "--out", str(out)]) == 0
     head, *recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert head["shapes"]["k"] == 6
@@ -413,7 +413,8 @@ def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     text = lower_for_h200(lambda g, u, x: moe_read_ceiling.read_words([g, u], x, interpret=False),
                           S((256, 2048, 512), jnp.uint32), S((256, 2048, 512), jnp.uint32), S((6,), jnp.int32))
     assert "mosaic_gpu" in text
-    text = lower_for_h200(lambda d, x: moe_read_ceiling.read_words([d], x, programs=132, stages=4, interpret=False),
+    text = lower_for_h200(lambda d, x: moe_read_ceiling.read_words([d], x, programs=132, stages=4, decode=True,
+                                                                             interpret=False),
                           S((256, 4096, 256), jnp.uint32), S((6,), jnp.int32))
     assert "mosaic_gpu" in text
 

@@ -12,6 +12,7 @@ design is a different grid (more programs, a K split, one persistent launch: `pr
 
     python -m dsjax.bench.moe_read_ceiling --tokens 1,2,4,8 --configs '[{}, {"stages": 3}, {"k_splits": 2}]'
     python -m dsjax.bench.moe_read_ceiling --configs '[{"programs": 132}, {"programs": 132, "stages": 4}]'
+    python -m dsjax.bench.moe_read_ceiling --configs '[{"decode": true}, {"programs": 132, "decode": true}]'
     python -m dsjax.bench.moe_read_ceiling --smoke        # tiny shapes, interpreted (a CPU check)
 
 Prints µs per launch and the share of the copy rate; --out writes JSON lines.
@@ -31,23 +32,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsjax.kernels.common import fp4_words, gpu_interpret
+from dsjax.kernels.common import fp4_e4m3_words, fp4_words, gpu_interpret
 from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT, expert_rows, weight_block_spec, weight_spec
 
-READ_OPTIONS = ("block_k", "stages", "k_splits", "programs")
+READ_OPTIONS = ("block_k", "stages", "k_splits", "programs", "decode")
+
+
+def absorb(acc, words, decode: bool):
+    """One Linear's step words into the carry: XOR-ed (the loads alone), or with `decode` through the kernels' FP4
+    -> e4m3 bit moves (`fp4_e4m3_words`), the even word XOR-ed and the odd added (so neither can be dropped)."""
+    if not decode:
+        return acc ^ words
+    even, odd = fp4_e4m3_words(words)
+    return (acc ^ even) + odd
 
 
 def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits: int = 1, programs: int = 0,
-               interpret=None):
+               decode: bool = False, interpret=None):
     """The loads of `tile_gemm`'s weight pipeline alone. stacks: u32 words [E, n_out, K / 8] (one per Linear a
     program reads: gate and up, or down); experts int32 [T] (-1: a tile that reads nothing). -> u32 [T, k_splits,
-    n_out, block_k / 8]: the XOR of every word a program read (so no load can be dropped), by row and word slot.
+    n_out, block_k / 8]: every word a program read folded in by `absorb` (so no load can be dropped), in step
+    order, by row and word slot. decode: also the GEMMs' FP4 decode (its ALU work, without the MMAs).
     programs > 0: the persistent shape instead (`read_words_persistent`)."""
     if programs:
         if k_splits != 1:
             raise ValueError("moe_read_ceiling: a persistent launch splits the steps itself (k_splits must be 1)")
         return read_words_persistent(stacks, experts, programs=programs, block_k=block_k, stages=stages,
-                                     interpret=interpret)
+                                     decode=decode, interpret=interpret)
     E, n_out, Kw = stacks[0].shape
     W = block_k // 8
     if n_out % ROWS or Kw % (W * k_splits):
@@ -69,7 +80,7 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
             def step(_, *refs_and_carry):
                 acc = refs_and_carry[n]
                 for w_s in refs_and_carry[:n]:
-                    acc = acc ^ plgpu.load(w_s, layout=WORDS_LAYOUT)
+                    acc = absorb(acc, plgpu.load(w_s, layout=WORDS_LAYOUT), decode)
                 return acc
 
             spec = weight_spec(W, e, r, split * steps)
@@ -90,12 +101,13 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
     return kernel(expert_rows(experts), *stacks)
 
 
-def read_words_persistent(stacks, experts, *, programs: int, block_k: int = 256, stages: int = 2, interpret=None):
+def read_words_persistent(stacks, experts, *, programs: int, block_k: int = 256, stages: int = 2,
+                          decode: bool = False, interpret=None):
     """One launch of `programs` programs (e.g. one an SM) streaming every tile's (64-row block, step) loads in turn
     through ONE pipeline each — program p takes global steps [p·per, (p+1)·per) of the T x row blocks x steps in
     that order, so no pipeline drains and refills at a tile's end, and no wave is left part-empty. -> u32
-    [programs, 64, block_k / 8]: the XOR of every word a program read (an unused tile's loads are made, of expert
-    0, and left out of the XOR)."""
+    [programs, 64, block_k / 8]: every word a program read folded in by `absorb`, in step order (an unused tile's
+    loads are made, of expert 0, and folded in as zeros)."""
     E, n_out, Kw = stacks[0].shape
     W = block_k // 8
     if n_out % ROWS or Kw % W:
@@ -127,7 +139,7 @@ def read_words_persistent(stacks, experts, *, programs: int, block_k: int = 256,
             acc = refs_and_carry[n]
             keep = every_bit(e_s[tile_of(idx[0])[0], 0] >= 0)
             for w_s in refs_and_carry[:n]:
-                acc = acc ^ (plgpu.load(w_s, layout=WORDS_LAYOUT) & keep)
+                acc = absorb(acc, plgpu.load(w_s, layout=WORDS_LAYOUT) & keep, decode)
             return acc
 
         zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
@@ -151,32 +163,45 @@ def every_bit(flag):
     return jnp.uint32(0) - flag.astype(jnp.uint32)
 
 
-def read_words_persistent_reference(stacks, experts, *, programs: int, block_k: int = 256):
-    """`read_words_persistent`'s contract in numpy."""
+def read_words_persistent_reference(stacks, experts, *, programs: int, block_k: int = 256, decode: bool = False):
+    """`read_words_persistent`'s contract, folded step by step on the host."""
     W = block_k // 8
     E, n_out, Kw = stacks[0].shape
-    blocks = []
-    for e in np.asarray(experts):
-        words = np.bitwise_xor.reduce([np.asarray(s[max(e, 0)]) for s in stacks]) * (e >= 0)
-        blocks.append(words.reshape(n_out // ROWS, ROWS, Kw // W, W).transpose(0, 2, 1, 3).reshape(-1, ROWS, W))
-    flat = np.concatenate(blocks)
-    per = -(-len(flat) // programs)
-    flat = np.concatenate([flat, np.zeros((per * programs - len(flat), ROWS, W), flat.dtype)])
-    return np.bitwise_xor.reduce(flat.reshape(programs, per, ROWS, W), axis=1)
+    R, S = n_out // ROWS, Kw // W
+    stacks = [np.asarray(st) for st in stacks]
+    experts = np.asarray(experts)
+    U = len(experts) * R * S
+    per = -(-U // programs)
+    out = np.zeros((programs, ROWS, W), np.uint32)
+    for p in range(programs):
+        acc = jnp.zeros((ROWS, W), jnp.uint32)
+        for g in range(p * per, min(U, (p + 1) * per)):
+            e, r, k = experts[g // (R * S)], g // S % R, g % S
+            for st in stacks:
+                acc = absorb(acc, st[max(e, 0), r * ROWS:(r + 1) * ROWS, k * W:(k + 1) * W] * np.uint32(e >= 0), decode)
+        out[p] = np.asarray(acc)
+    return out
 
 
-def read_words_reference(stacks, experts, *, block_k: int = 256, k_splits: int = 1):
-    """`read_words`' contract in numpy: each program's XOR over its experts' rows and steps."""
+def read_words_reference(stacks, experts, *, block_k: int = 256, k_splits: int = 1, decode: bool = False):
+    """`read_words`' contract, folded step by step on the host: per used tile [k_splits, n_out, W] (None unused)."""
     W = block_k // 8
+    stacks = [np.asarray(st) for st in stacks]
+    n_out, Kw = stacks[0].shape[1:]
+    steps = Kw // W // k_splits
     out = []
     for e in np.asarray(experts):
         if e < 0:
             out.append(None)
             continue
-        words = np.bitwise_xor.reduce([np.asarray(s[e]) for s in stacks])
-        n_out, Kw = words.shape
-        by_split = words.reshape(n_out, k_splits, Kw // W // k_splits, W)
-        out.append(np.bitwise_xor.reduce(by_split, axis=2).transpose(1, 0, 2))   # [splits, n_out, W]
+        splits = []
+        for sp in range(k_splits):
+            acc = jnp.zeros((n_out, W), jnp.uint32)
+            for k in range(sp * steps, (sp + 1) * steps):
+                for st in stacks:
+                    acc = absorb(acc, st[e, :, k * W:(k + 1) * W], decode)
+            splits.append(np.asarray(acc))
+        out.append(np.stack(splits))
     return out
 
 
