@@ -57,12 +57,13 @@ def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:
 def time_us_looped(fn, *args, repeat: int = 100, rounds: int = 3) -> float:
     """Device time per call of a small op: `repeat` calls inside one jitted loop (one dispatch, so the host's
     ~20-60 µs per dispatch drops out, as in the model's device-resident step). Each call's first input takes
-    0 x the last output's first element, so no call can be hoisted out of the loop."""
+    0 x the last outputs' first elements, so no call can be hoisted out of the loop, and every output is used (a
+    Pallas call whose output nothing reads is dead code to XLA: two kernels timed in one call would be one)."""
 
     def body(rest, i, carry):
         x, link = carry
-        y = jax.tree.leaves(fn(x + link.astype(x.dtype), *rest))[0]
-        return x, y.ravel()[0].astype(jnp.float32) * 0.0
+        ys = jax.tree.leaves(fn(x + link.astype(x.dtype), *rest))
+        return x, sum(y.ravel()[0].astype(jnp.float32) for y in ys) * 0.0
 
     looped = jax.jit(lambda x, *rest: jax.lax.fori_loop(0, repeat, functools.partial(body, rest),
                                                         (x, jnp.float32(0.0)))[1])
