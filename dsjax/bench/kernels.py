@@ -86,20 +86,23 @@ def rel_diff(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us):
+def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us, kernel_timer=None):
     """Time run("xla") and run("pallas", **config) per config on the same inputs; emit one record each, the
-    Pallas ones with their difference from XLA's output. A config that fails to compile is reported, not fatal."""
+    Pallas ones with their difference from XLA's output. A config that fails to compile is reported, not fatal.
+    kernel_timer (e.g. `device_us`): also each call's kernels alone, as `kernel_us` (the looped timer's ~5-8 µs a
+    call of loop and glue is no part of a model step: docs/benchmarks.md, the read ceiling on an H100)."""
+    kernels = (lambda fn: {"kernel_us": kernel_timer(fn, *args)}) if kernel_timer else (lambda fn: {})  # noqa: E731
     xla_fn = run("xla")
     want = xla_fn(*args)
     t_xla = timer(xla_fn, *args)
-    emit(dict(base, impl="xla", us=t_xla, bytes=nbytes))
+    emit(dict(base, impl="xla", us=t_xla, bytes=nbytes, **kernels(xla_fn)))
     default = None      # the first config's output: other configs (tiles, the PTX FP4 decode) should equal it
     for opts in configs:
         try:
             fn = run("pallas", **opts)
             got = fn(*args)
             rec = dict(base, impl="pallas", options=opts, us=timer(fn, *args), bytes=nbytes,
-                       rel_diff_vs_xla=rel_diff(got, want), xla_us=t_xla)
+                       rel_diff_vs_xla=rel_diff(got, want), xla_us=t_xla, **kernels(fn))
             if default is None:
                 default = got
             else:
@@ -459,7 +462,8 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             looped = n <= 64                                             # decode: device time, not dispatch
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, activations=activations, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
-                         chosen + previous + list(extra), timer=time_us_looped if looped else time_us)
+                         chosen + previous + list(extra), timer=time_us_looped if looped else time_us,
+                         kernel_timer=device_us if looped and not smoke else None)
         del lins
 
 
@@ -585,6 +589,8 @@ def main(argv=None) -> int:
         if roof.get("copy_GBps") and "bytes" in rec and "us" in rec:
             rec["GBps"] = rec["bytes"] / rec["us"] / 1e3
             rec["of_copy_bw"] = rec["GBps"] / roof["copy_GBps"]
+            if rec.get("kernel_us"):
+                rec["kernels_of_copy_bw"] = rec["bytes"] / rec["kernel_us"] / 1e3 / roof["copy_GBps"]
         if "xla_us" in rec and "us" in rec:
             rec["speedup_vs_xla"] = rec["xla_us"] / rec["us"]
         line = json.dumps(rec)
