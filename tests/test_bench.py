@@ -383,6 +383,19 @@ def test_moe_profile_lists_the_calls_kernels(tmp_path, capsys):
         assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_looped_timer_keeps_every_output():
+    """`time_us_looped` times every kernel of a call: each output feeds the next call, so XLA cannot drop one as
+    dead code (the read ceiling's two-launch row once timed its first launch alone)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.bench.kernels import looped_calls
+
+    x = jnp.arange(8, dtype=jnp.float32)
+    hlo = looped_calls(lambda a: (jnp.sin(a), jnp.cos(a) * 3.0), 4).lower(x).compile().as_text()
+    assert "sine" in hlo and "cosine" in hlo
+
+
 def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     """`bench moe_read_ceiling`: the loads-only kernels (interpreted) XOR exactly the words of their experts' rows,
     K split included, an unused tile reads nothing; the persistent launch too, with a program past the end (15

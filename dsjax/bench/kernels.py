@@ -60,14 +60,19 @@ def time_us_looped(fn, *args, repeat: int = 100, rounds: int = 3) -> float:
     0 x the last outputs' first elements, so no call can be hoisted out of the loop, and every output is used (a
     Pallas call whose output nothing reads is dead code to XLA: two kernels timed in one call would be one)."""
 
+    return time_us(looped_calls(fn, repeat), *args, calls=1, rounds=rounds) / repeat
+
+
+def looped_calls(fn, repeat: int):
+    """`time_us_looped`'s jitted loop: `repeat` calls of fn, each call's first input linked to every output of the
+    call before."""
     def body(rest, i, carry):
         x, link = carry
         ys = jax.tree.leaves(fn(x + link.astype(x.dtype), *rest))
         return x, sum(y.ravel()[0].astype(jnp.float32) for y in ys) * 0.0
 
-    looped = jax.jit(lambda x, *rest: jax.lax.fori_loop(0, repeat, functools.partial(body, rest),
-                                                        (x, jnp.float32(0.0)))[1])
-    return time_us(looped, *args, calls=1, rounds=rounds) / repeat
+    return jax.jit(lambda x, *rest: jax.lax.fori_loop(0, repeat, functools.partial(body, rest),
+                                                      (x, jnp.float32(0.0)))[1])
 
 
 def device_us(fn, *args, reps: int = 10) -> float:
