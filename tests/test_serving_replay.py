@@ -14,8 +14,8 @@ import pytest
 
 import dsjax
 from dsjax.errors import ConfigError
-from dsjax.serving.config import ServeConfig
 from dsjax.params import init_params
+from dsjax.serving.config import ServeConfig
 from dsjax.serving.engine import RowSampling, SlotEngine
 from tiny_v41_cut import FIVE_LAYERS
 
