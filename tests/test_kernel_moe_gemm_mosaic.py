@@ -84,6 +84,35 @@ def test_tile_gemm_matches_dequantized_product(test_seed, fp8, block_k, stages, 
     print(f"y beyond one bf16 ulp: at most {worst:.3g} of the absolute products' sum")
 
 
+@pytest.mark.parametrize("fp8,k_splits,programs,stages", [
+    (True, 1, 3, 2), (True, 2, 1, 3), (True, 1, 64, 2), (False, 2, 4, 2)],
+    ids=["e4m3-3prog", "e4m3-split2-1prog", "e4m3-64prog", "bf16-split2-4prog"])
+def test_persistent_launch_equals_tile_grid(test_seed, fp8, k_splits, programs, stages):
+    """The persistent launch (`programs`: each program streams whole units through one pipeline) against the tile
+    grid, bit for bit on every used tile: both fold a unit's K in the same order. Unused tiles (-1) first, between
+    and last; one program running every unit (its accumulators reset, its side operands double-buffered across
+    units of different tiles and experts), programs with one unit, more programs than units (some idle), K split
+    (fp32 partials), both epilogues."""
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8, experts=(-1, 2, 0, -1, 3, 1, -1))
+    opts = dict(block_k=256, stages=stages, k_splits=k_splits, interpret=None if on_gpu else True)
+    used = np.asarray(experts) >= 0
+    for lins, extra in (([w1], {}), ([w1, w3], dict(pair_weight=pw, swiglu_limit=LIMIT))):
+        grid = mosaic_fp4.tile_gemm(xt, xs, experts, lins, **opts, **extra)
+        persistent = mosaic_fp4.tile_gemm(xt, xs, experts, lins, programs=programs, **opts, **extra)
+        a, b = (np.asarray(v, np.float32)[used] for v in (grid, persistent))
+        assert np.isfinite(a).all() and np.abs(a).max() > 0
+        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
+
+
+def test_used_tiles_lists_used_tiles_first_with_their_count():
+    from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import used_tiles
+
+    got = np.asarray(used_tiles(jnp.array([-1, 5, 0, -1, 7], jnp.int32)))
+    assert got.shape == (6, 4)
+    assert got[:3, :2].tolist() == [[5, 1], [0, 2], [7, 4]] and got[5, 0] == 3
+    assert np.asarray(used_tiles(jnp.full((3,), -1, jnp.int32)))[3, 0] == 0
+
+
 def test_mma_columns_is_a_permutation_within_32_column_blocks():
     x = jnp.arange(2 * 96).reshape(2, 96)
     p = np.asarray(mosaic_fp4.mma_columns(x))
@@ -105,14 +134,15 @@ def _check_mosaic(got, want):
 
 
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,k_splits,pairs,scatter,route", [
-    (1, 1, 8, False, False), (8, 1, 8, False, False), (1, 2, 8, False, False), (8, 1, 16, True, False),
-    (8, 1, 8, False, True)])
-def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatter, route, act_quant_sim):
+@pytest.mark.parametrize("n,k_splits,pairs,scatter,route,programs", [
+    (1, 1, 8, False, False, 0), (8, 1, 8, False, False, 0), (1, 2, 8, False, False, 0), (8, 1, 16, True, False, 0),
+    (8, 1, 8, False, True, 0), (8, 2, 8, False, False, 7)])
+def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatter, route, programs, act_quant_sim):
     """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8 or 16, x and h codes in the kernel's column
     order, the slots gathered back by compares or — prefill sizes, forced here — by a scatter; K split over two
-    programs where asked; the slots from `route_slots` where asked) against the reference: duplicate experts across
-    tokens, picks held by another shard, a token with no local expert (`test_kernel_moe_gemm._case`)."""
+    programs where asked; the slots from `route_slots` where asked; the persistent launch of 7 programs where asked)
+    against the reference: duplicate experts across tokens, picks held by another shard, a token with no local
+    expert (`test_kernel_moe_gemm._case`)."""
     if scatter:
         monkeypatch.setattr(route_slots_mod, "SCATTER_PAIRS", 0)
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
@@ -120,7 +150,7 @@ def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatte
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
     got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic", mosaic_k_splits=k_splits,
-              mosaic_pairs=pairs, mosaic_route_kernel=route)
+              mosaic_pairs=pairs, mosaic_route_kernel=route, mosaic_programs=programs)
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
 
@@ -171,24 +201,27 @@ def test_default_tile_width_follows_an_experts_mean_share():
     assert mosaic_fp4.default_options(6 * 1024, 384) == dict(stages=2, pairs=16)
 
 
-@pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits,pairs,route", [
-    (256, 4096, 2048, 1, True, 1, None, False), (256, 4096, 2048, 8, True, 1, None, False),
-    (384, 5120, 2304, 6, True, 1, None, False), (256, 4096, 2048, 8, False, 1, None, False),
-    (384, 5120, 2304, 6, False, 1, None, False), (256, 4096, 2048, 1, False, 2, None, False),
-    (256, 4096, 2048, 1024, True, 1, 32, False), (256, 4096, 2048, 1024, False, 1, 64, False),
-    (256, 4096, 2048, 8, True, 1, None, True)])
-def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route):
+@pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits,pairs,route,programs", [
+    (256, 4096, 2048, 1, True, 1, None, False, 0), (256, 4096, 2048, 8, True, 1, None, False, 0),
+    (384, 5120, 2304, 6, True, 1, None, False, 0), (256, 4096, 2048, 8, False, 1, None, False, 0),
+    (384, 5120, 2304, 6, False, 1, None, False, 0), (256, 4096, 2048, 1, False, 2, None, False, 0),
+    (256, 4096, 2048, 1024, True, 1, 32, False, 0), (256, 4096, 2048, 1024, False, 1, 64, False, 0),
+    (256, 4096, 2048, 8, True, 1, None, True, 0), (256, 4096, 2048, 8, True, 1, None, False, 132),
+    (384, 5120, 2304, 6, False, 2, None, False, 132)])
+def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, programs):
     """V4-Flash (decode, 8 tokens; prefill, 1,024) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering,
     including the `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns;
     one Mosaic kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU); K split over two programs;
-    wide tiles (32 and 64 pairs: wgmma's N); the slots from `route_slots` (a third Triton launch)."""
+    wide tiles (32 and 64 pairs: wgmma's N); the slots from `route_slots` (a third Triton launch); the persistent
+    launch (132 programs, 4 stages)."""
     S = jax.ShapeDtypeStruct
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
     f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
                                             act_quant_sim=act_quant_sim,
                                             act_quant_block=128, implementation="pallas", interpret=False,
                                             fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs,
-                                            mosaic_route_kernel=route)
+                                            mosaic_route_kernel=route, mosaic_programs=programs,
+                                            mosaic_stages=4 if programs else None)
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2
@@ -198,17 +231,24 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route):
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,pairs,route", [(1, None, False), (8, None, False), (40, None, False), (400, 32, False),
-                                           (1, None, True), (8, None, True)])  # 400: the scatter unsort
-def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pairs, route, act_quant_sim):
-    """Compiled (the register path: `_register_blocks`, `_scale_column_mgpu`, wgmma): the Mosaic
-    op equals the reference and the Triton kernels within `_check_mosaic`'s bound."""
+@pytest.mark.parametrize("n,pairs,route,programs", [(1, None, False, 0), (8, None, False, 0), (40, None, False, 0),
+                                                    (400, 32, False, 0), (1, None, True, 0), (8, None, True, 0),
+                                                    (1, None, False, 132), (8, None, False, 132),
+                                                    (40, None, False, 132)])  # 400: the scatter unsort
+def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pairs, route, programs, act_quant_sim):
+    """Compiled (the register path: `_register_blocks`, `_scale_column_mgpu`, wgmma; the persistent launch's
+    double-buffered side operands and reused output tile): the Mosaic op equals the reference and the Triton
+    kernels within `_check_mosaic`'s bound, and the persistent launch equals the tile grid bit for bit."""
     x, weights, ids, w1, w3, w2 = case = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
-    got = run("pallas", interpret=False, fp4_kernel="mosaic", mosaic_pairs=pairs, mosaic_route_kernel=route)
+    got = run("pallas", interpret=False, fp4_kernel="mosaic", mosaic_pairs=pairs, mosaic_route_kernel=route,
+              mosaic_programs=programs, mosaic_stages=4 if programs else None)
     assert np.isfinite(got).all()
+    if programs:
+        grid = run("pallas", interpret=False, fp4_kernel="mosaic", mosaic_pairs=pairs, mosaic_stages=4)
+        np.testing.assert_array_equal(got.view(np.uint32), grid.view(np.uint32))
     _check_mosaic(got, run("reference"))
     _check_mosaic(got, run("pallas", interpret=False, fp4_kernel="triton"))
     del case

@@ -39,6 +39,7 @@ on the H200.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsjax.kernels.common import (check_offsets, e8m0_to_f32, fp4_code_to_f32, fp4_e4m3_words, fp4_pair_bits,
                                   fp4_words, gpu_interpret, round_bf)
+from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import persistent_kernel, used_tiles
 from dsjax.layers import moe as _moe
 
 ROWS = 64           # weight rows a program: wgmma's M
@@ -127,29 +129,30 @@ def _bf16_blocks_jnp(words):
     return [v[:, b] for b in range(n)]
 
 
-def _scale_column_jnp(sc_s, j: int, q):
+def _scale_column_jnp(sc_s, j, q):
     return sc_s[j].reshape(ROWS, -1)[:, q]
 
 
-def _scale_column_mgpu(sc_s, j: int, q):
-    """Column q of Linear j's row scales (sc_s[j]: the 64 rows x Q words, flat as [4Q, 16]; a word holds 4 block
-    scales) as u32 [64] in the accumulator's row layout: each thread loads the words of its two rows (a strided
-    column: Mosaic's layout inference takes no swizzle-free strided view, so the two loads are written out)."""
+def _scale_column_mgpu(sc_s, j, q):
+    """Column q of scale set j's row scales (sc_s[j]: the 64 rows x Q words, flat as [4Q, 16]; a word holds 4 block
+    scales; j and q may be traced) as u32 [64] in the accumulator's row layout: each thread loads the words of its
+    two rows (a strided column: Mosaic's layout inference takes no swizzle-free strided view, so the two loads are
+    written out)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, gpu, memref, vector
 
     row = plgpu.Layout.WGMMA.reduce(1)
-    qv = plgpu.layout_cast(jnp.full((ROWS,), q, jnp.int32), row)
+    qv, jv = (plgpu.layout_cast(jnp.full((ROWS,), v, jnp.int32), row) for v in (q, j))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), row),
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), row, row),
                        return_type=plgpu.ShapeDtypeStruct((ROWS,), jnp.uint32, layout=row))
-    def column(_ctx, ref, qv):
+    def column(_ctx, ref, qv, jv):
         index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
         c = lambda v: arith.constant(index, v)  # noqa: E731
-        first = vector.extract(qv.registers.flat[0], dynamic_position=[],
-                               static_position=ir.DenseI64ArrayAttr.get([0]))
-        col = arith.index_cast(index, first)
+        scalar = lambda v: arith.index_cast(index, vector.extract(  # noqa: E731
+            v.registers.flat[0], dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0])))
+        col, lead = scalar(qv), scalar(jv)
         per_row = c(ir.MemRefType(ref.type).shape[1] // 4)         # Q words a row (the rows flat as [4Q, 16])
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
         base = arith.addi(arith.muli(arith.divui(tid, c(32)), c(16)), arith.divui(arith.remui(tid, c(32)), c(4)))
@@ -157,11 +160,11 @@ def _scale_column_mgpu(sc_s, j: int, q):
         regs = np.empty(layout.registers_shape((ROWS,)), dtype=object)     # (1, 1, 2, 1, 1): row half
         for h in range(2):
             at = arith.addi(arith.muli(arith.addi(base, c(8 * h)), per_row), col)
-            word = memref.load(ref, [c(j), arith.divui(at, c(16)), arith.remui(at, c(16))])
+            word = memref.load(ref, [lead, arith.divui(at, c(16)), arith.remui(at, c(16))])
             regs[0, 0, h, 0, 0] = vector.broadcast(ir.VectorType.get((1,), i32), word)
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=False)
 
-    return column(sc_s, qv)
+    return column(sc_s, qv, jv)
 
 
 def expert_rows(experts):
@@ -190,8 +193,83 @@ def epilogue(accs, weight, swiglu_limit):
     return (_moe.swiglu(g, u, swiglu_limit, divide=jnp.divide) * weight).astype(jnp.bfloat16)
 
 
+class StepMath(NamedTuple):
+    """One pipeline step of a `tile_gemm` program, the same in the tile grid and the persistent launch: each
+    Linear's step words become nb A operands (`operand_blocks`), one wgmma (K = 32) a block into its own zeroed
+    accumulator, each block's partial times its rows' scales, per 128 columns times the pairs' activation scales,
+    added to the Linear's fp32 sum in block order (so both launches fold a tile's K identically)."""
+    fp8: bool               # e4m3 codes on FP8 tensor cores, else bf16 values on bf16 ones
+    nb: int                 # 32-column blocks a step
+    n_lin: int              # Linears a program (gate and up, or one)
+    N: int                  # pairs a tile: wgmma's N
+    interpreting: bool
+    wait_per_linear: bool
+
+    @property
+    def unscale(self) -> float:
+        """The operands are the codes' values times 2^-6 (e4m3) or 2^-126 (bf16 bits; interpreted: the values)."""
+        return 64.0 if self.fp8 else 1.0 if self.interpreting else 2.0 ** 126
+
+    def operand_blocks(self, w_s):
+        """A step's weight words -> nb A operands [64, 32] (e4m3 or bf16) in `mma_columns` order."""
+        words = plgpu.load(w_s, layout=WORDS_LAYOUT)
+        if self.interpreting:
+            return _blocks_jnp(*fp4_e4m3_words(words)) if self.fp8 else _bf16_blocks_jnp(words)
+        return _register_blocks(fp4_e4m3_words(words) if self.fp8 else [fp4_pair_bits(words, c) for c in range(4)],
+                                self.fp8)
+
+    def block_dots(self, blocks, x_step):
+        """Each Linear's nb partials [64, N], fp32, of this step: one wgmma (K = 32) a block, all issued before the
+        one wait."""
+        nb = self.nb
+        xb = [x_step.at[b] for b in range(nb)]
+        if self.interpreting:
+            return [[jnp.dot(a.astype(jnp.float32), x[...].astype(jnp.float32).T,
+                             preferred_element_type=jnp.float32) for a, x in zip(lin_blocks, xb)]
+                    for lin_blocks in blocks]
+
+        def dots(*accs):
+            for i, acc in enumerate(accs):
+                plgpu.wgmma(acc, blocks[i // nb][i % nb], xb[i % nb].transpose((1, 0)))
+            return [acc[...] for acc in accs]
+        flat = pl.run_scoped(dots, *[plgpu.ACC((ROWS, self.N), jnp.float32)] * (len(blocks) * nb))
+        return [flat[j * nb:(j + 1) * nb] for j in range(len(blocks))]
+
+    def row_scales(self, sc_s, j, q):
+        """Scale set j's 4 block scales of quad q per row (times `unscale`), fp32 [64] each."""
+        words = (_scale_column_jnp if self.interpreting else _scale_column_mgpu)(sc_s, j, q)
+        return [e8m0_to_f32((words >> (8 * i)) & 0xFF) * self.unscale for i in range(4)]
+
+    def fold(self, accs, k, x_step, w_s, sc_s, sc_first, xs_s):
+        """accs (each Linear's fp32 [64, N]) plus step k's products. x_step: the step's pair rows [nb, N, 32];
+        w_s: each Linear's step words; sc_s[sc_first + j]: Linear j's row scales; xs_s: [Q, N] the pairs'
+        activation scales (e4m3 codes; unused for bf16)."""
+        nb, N = self.nb, self.N
+        COL = plgpu.Layout.WGMMA.reduce(0)
+        quads = [k * (nb // 4) + qq for qq in range(nb // 4)]
+        scales = [[self.row_scales(sc_s, sc_first + j, q) for q in quads] for j in range(self.n_lin)]
+        xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL), (ROWS, N), [1]) if self.fp8 else None
+              for q in quads]
+        blocks = [self.operand_blocks(w_s[j]) for j in range(self.n_lin)]
+        if self.wait_per_linear:
+            parts = [self.block_dots([b], x_step)[0] for b in blocks]
+        else:
+            parts = self.block_dots(blocks, x_step)
+        new = []
+        for j in range(self.n_lin):
+            acc = accs[j]
+            for qq in range(nb // 4):
+                chunk = None
+                for i, ws in enumerate(scales[j][qq]):
+                    term = parts[j][4 * qq + i] * lax.broadcast_in_dim(ws, (ROWS, N), [0])
+                    chunk = term if chunk is None else chunk + term
+                acc = acc + (chunk * xs[qq] if self.fp8 else chunk)
+            new.append(acc)
+        return tuple(new)
+
+
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
-              stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, interpret=None):
+              stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0, interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -204,6 +282,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     3% either way, 1-2% slower at 8-64 tokens).
     k_splits: programs a 64-row block, each over K / k_splits columns (more programs in flight when few tiles
     run, e.g. one decode token's 6); their fp32 partials are added in order, then `epilogue`.
+    programs: 0 = one program a unit (tile, 64-row block, K split); > 0 = one launch of that many programs (e.g.
+    one an SM, `mosaic_fp4_persistent.SMS`), each streaming its share of the used tiles' units through one
+    pipeline (`mosaic_fp4_persistent`): the same outputs, bit for bit.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
     T, nkb, N, _ = x_tiles.shape
     K = nkb * BLOCK
@@ -223,6 +304,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     if k_splits < 1 or (K // block_k) % k_splits:
         raise ValueError(f"moe_gemm mosaic_fp4: k_splits {k_splits} must divide the {K // block_k} steps of "
                          f"{block_k} columns")
+    if programs < 0:
+        raise ValueError(f"moe_gemm mosaic_fp4: programs must be 0 (a program a unit) or more, got {programs}")
     if two and (pair_weight is None or swiglu_limit is None):
         raise ValueError("moe_gemm mosaic_fp4: gate/up needs pair_weight and swiglu_limit")
     W, nb, Q = block_k // 8, block_k // BLOCK, K // QUAD
@@ -236,10 +319,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
     interpreting = interp not in (None, False)
-    # the operand values are the codes' times 2^-6 (e4m3) or 2^-126 (bf16 bits; the interpreter takes the values)
-    unscale = 64.0 if fp8 else 1.0 if interpreting else 2.0 ** 126
-    ROW, COL, ACC = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    COL, ACC = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     n_lin = len(lins)
+    step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear)
 
     def body(e_ref, x_ref, *rest):
         rest = list(rest)
@@ -263,35 +345,6 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             for i, (src, dst) in enumerate(copies):         # a barrier each: one arrival per copy
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + i])
 
-            def block_dots(blocks, x_step):
-                """Each Linear's nb partials [64, N], fp32, of this step: one wgmma (K = 32) a block, all issued
-                before the one wait."""
-                xb = [x_step.at[b] for b in range(nb)]
-                if interpreting:
-                    return [[jnp.dot(a.astype(jnp.float32), x[...].astype(jnp.float32).T,
-                                     preferred_element_type=jnp.float32) for a, x in zip(lin_blocks, xb)]
-                            for lin_blocks in blocks]
-
-                def dots(*accs):
-                    for i, acc in enumerate(accs):
-                        plgpu.wgmma(acc, blocks[i // nb][i % nb], xb[i % nb].transpose((1, 0)))
-                    return [acc[...] for acc in accs]
-                flat = pl.run_scoped(dots, *[plgpu.ACC((ROWS, N), jnp.float32)] * (len(blocks) * nb))
-                return [flat[j * nb:(j + 1) * nb] for j in range(len(blocks))]
-
-            def row_scales(j, q):
-                """Linear j's 4 block scales of quad q per row (times `unscale`), fp32 [64] each."""
-                words = (_scale_column_jnp if interpreting else _scale_column_mgpu)(sc_s, j, q)
-                return [e8m0_to_f32((words >> (8 * i)) & 0xFF) * unscale for i in range(4)]
-
-            def operand_blocks(w_s):
-                """A step's weight words -> nb A operands [64, 32] (e4m3 or bf16) in `mma_columns` order."""
-                words = plgpu.load(w_s, layout=WORDS_LAYOUT)
-                if interpreting:
-                    return _blocks_jnp(*fp4_e4m3_words(words)) if fp8 else _bf16_blocks_jnp(words)
-                return _register_blocks(fp4_e4m3_words(words) if fp8 else [fp4_pair_bits(words, c) for c in range(4)],
-                                        fp8)
-
             def step(idx, *refs_and_carry):
                 @pl.when(idx[0] == 0)
                 def _side_operands():
@@ -300,26 +353,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
 
                 k = idx[0] + split * steps                 # the step's place in all of K
                 x_step, w_s, accs = refs_and_carry[0], refs_and_carry[1:1 + n_lin], refs_and_carry[1 + n_lin]
-                quads = [k * (nb // 4) + qq for qq in range(nb // 4)]
-                scales = [[row_scales(j, q) for q in quads] for j in range(n_lin)]
-                xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL), (ROWS, N), [1]) if fp8 else None
-                      for q in quads]
-                blocks = [operand_blocks(w_s[j]) for j in range(n_lin)]
-                if wait_per_linear:
-                    parts = [block_dots([b], x_step)[0] for b in blocks]
-                else:
-                    parts = block_dots(blocks, x_step)
-                new = []
-                for j in range(n_lin):
-                    acc = accs[j]
-                    for qq in range(nb // 4):
-                        chunk = None
-                        for i, ws in enumerate(scales[j][qq]):
-                            term = parts[j][4 * qq + i] * lax.broadcast_in_dim(ws, (ROWS, N), [0])
-                            chunk = term if chunk is None else chunk + term
-                        acc = acc + (chunk * xs[qq] if fp8 else chunk)
-                    new.append(acc)
-                return tuple(new)
+                return step_math.fold(accs, k, x_step, w_s, sc_s, 0, xs_s)
 
             spec = weight_spec(W, e, r, split * steps)
             # the pair rows stream beside the weights (nb blocks a step): loaded whole up front they were the
@@ -359,7 +393,12 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             plgpu.Barrier(num_barriers=2 + fp8 + n_lin),
         ],
         interpret=interp)
-    out = kernel(exp_rows, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales)
+    if programs:
+        kernel = persistent_kernel(step_math, T=T, n_out=n_out, K=K, block_k=block_k, k_splits=k_splits,
+                                   stages=stages, programs=programs, row_bytes=row_bytes, swiglu_limit=swiglu_limit,
+                                   interp=interp)
+    out = kernel(used_tiles(experts) if programs else exp_rows, x_tiles, *([x_scales] if fp8 else []), pw, *words,
+                 *scales)
     if not split_out:
         return out
     sums = [functools.reduce(jnp.add, [out[j, i] for i in range(k_splits)]) for j in range(n_lin)]
@@ -395,7 +434,8 @@ def default_options(n_pairs: int, n_experts: int) -> dict:
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
-             interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False):
+             interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
+             programs: int = 0):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -407,7 +447,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     `tile_operands` (one Triton launch each for x and h), else the same in XLA ops (`tile_operands_xla`).
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
     XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
-    whose K steps it divides (else 1)."""
+    whose K steps it divides (else 1). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
+    one program an SM, for both GEMMs)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -428,7 +469,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp)
     tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
-    opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, interpret=interpret)
+    opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
+                interpret=interpret)
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
 
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
