@@ -36,6 +36,15 @@ def used_tiles(experts):
     return jnp.pad(jnp.concatenate([rows, jnp.stack([count, jnp.int32(0)])[None]]), ((0, 0), (0, 2)))
 
 
+def aligned(rows: int, row_words: int) -> int:
+    """Rows of 4-byte words a buffer holds so that each of two side by side starts on 128 bytes: a TMA copy's
+    shared-memory end must (a unit's pair weights, 8 floats, and V4.1's 18 x-scale rows of 8 would not: the
+    GPU stops the kernel with a misaligned address)."""
+    while rows * row_words * 4 % 128:
+        rows += 1
+    return rows
+
+
 def _keep_unless(flag, acc):
     """acc with every bit cleared where flag (a scalar), else as it is: a unit's first step starts its sums from 0
     (a mask on the bits, not a product: a product keeps an inf or NaN of the unit before)."""
@@ -80,7 +89,8 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
 
         def side_copies(lu, buf: int):
             e, t, r, _ = unit(lu)
-            copies = ([(xs_ref.at[t], xs_s.at[buf])] if fp8 else []) + [(pw_ref.at[t], pw_s.at[buf])] + [
+            copies = ([(xs_ref.at[t], xs_s.at[buf, pl.ds(0, Q)])] if fp8 else []) + [
+                (pw_ref.at[t], pw_s.at[buf, pl.ds(0, N)])] + [
                 (s_refs[j].at[e * R + r], sc_s.at[buf * n_lin + j]) for j in range(n_lin)]
             for i, (src, dst) in enumerate(copies):          # a barrier each: one arrival per copy
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + buf * n_side + i])
@@ -134,8 +144,8 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
                     for j in range(n_lin):
                         plgpu.copy_smem_to_gmem(o_s.at[j], out_ref.at[j, s, t, rows])
                 else:
-                    weight = (lax.broadcast_in_dim(plgpu.load(pw_s.at[buf], layout=COL), (ROWS, N), [1])
-                              if two else None)
+                    pair_weights = pw_s.at[buf, pl.ds(0, N)]
+                    weight = lax.broadcast_in_dim(plgpu.load(pair_weights, layout=COL), (ROWS, N), [1]) if two else None
                     o_s[...] = epilogue(new, weight, swiglu_limit)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
@@ -159,8 +169,8 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
         grid=(programs,), grid_names=("p",),
         scratch_types=[
             plgpu.SMEM((T + 1, 4), jnp.int32),                                      # the used tiles, their count
-            plgpu.SMEM((2, Q if fp8 else 1, N), jnp.float32),                       # x scales, two units
-            plgpu.SMEM((2, N), jnp.float32),                                        # pair weights
+            plgpu.SMEM((2, aligned(Q if fp8 else 1, N), N), jnp.float32),           # x scales, two units
+            plgpu.SMEM((2, aligned(N, 1)), jnp.float32),                            # pair weights
             plgpu.SMEM((2 * n_lin, 4 * Q, 16), jnp.uint32),                         # the rows' weight scales
             (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else            # the output tile: partials
              plgpu.SMEM((ROWS, N), jnp.bfloat16)),                                  # or the epilogue's
