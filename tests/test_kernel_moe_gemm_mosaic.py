@@ -113,6 +113,23 @@ def test_used_tiles_lists_used_tiles_first_with_their_count():
     assert np.asarray(used_tiles(jnp.full((3,), -1, jnp.int32)))[3, 0] == 0
 
 
+@pytest.mark.parametrize("K", [4096, 2048, 5120, 2304])      # V4-Flash's and V4.1-Flash's up and down contractions
+def test_persistent_side_buffers_start_on_128_bytes(K):
+    """Each unit's side operands land by TMA in the part of a two-unit buffer its parity picks; TMA wants every
+    shared-memory destination on 128 bytes, and interpret mode cannot see it (an H100 stopped the first version, whose
+    8 pair weights a unit put the second part 32 bytes in, with a misaligned address). So: the part a unit copies
+    into starts on 128 bytes, for every K of V4-Flash and V4.1-Flash (18 x-scale rows at V4.1's 2304) and tile width."""
+    from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import side_buffers
+
+    Q = K // mosaic_fp4.QUAD
+    for N in (8, 16, 32):
+        for fp8 in (True, False):
+            buffers = side_buffers(fp8, Q, N, 2)
+            for (shape, dtype), copied in zip(buffers, [Q * N * 4 if fp8 else 0, N * 4, 4 * Q * 16 * 4]):
+                part = int(np.prod(shape[1:])) * jnp.dtype(dtype).itemsize   # one copy's part: its stride, bytes
+                assert part % 128 == 0 and part >= copied, (shape, N, fp8)
+
+
 def test_mma_columns_is_a_permutation_within_32_column_blocks():
     x = jnp.arange(2 * 96).reshape(2, 96)
     p = np.asarray(mosaic_fp4.mma_columns(x))

@@ -45,6 +45,14 @@ def aligned(rows: int, row_words: int) -> int:
     return rows
 
 
+def side_buffers(fp8: bool, Q: int, N: int, n_lin: int):
+    """(shape, dtype) of the side operands' shared-memory buffers, two units' worth each (leading axis): the pairs'
+    x scales [Q rows of N], their routing weights [N], each Linear's rows' block scales [4Q, 16] words. Every
+    unit's part starts on 128 bytes (`aligned`)."""
+    return [((2, aligned(Q if fp8 else 1, N), N), jnp.float32), ((2, aligned(N, 1)), jnp.float32),
+            ((2 * n_lin, 4 * Q, 16), jnp.uint32)]
+
+
 def _keep_unless(flag, acc):
     """acc with every bit cleared where flag (a scalar), else as it is: a unit's first step starts its sums from 0
     (a mask on the bits, not a product: a product keeps an inf or NaN of the unit before)."""
@@ -169,9 +177,7 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
         grid=(programs,), grid_names=("p",),
         scratch_types=[
             plgpu.SMEM((T + 1, 4), jnp.int32),                                      # the used tiles, their count
-            plgpu.SMEM((2, aligned(Q if fp8 else 1, N), N), jnp.float32),           # x scales, two units
-            plgpu.SMEM((2, aligned(N, 1)), jnp.float32),                            # pair weights
-            plgpu.SMEM((2 * n_lin, 4 * Q, 16), jnp.uint32),                         # the rows' weight scales
+            *[plgpu.SMEM(shape, dtype) for shape, dtype in side_buffers(fp8, Q, N, n_lin)],
             (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else            # the output tile: partials
              plgpu.SMEM((ROWS, N), jnp.bfloat16)),                                  # or the epilogue's
             plgpu.Barrier(num_barriers=1 + 2 * n_side),
