@@ -143,16 +143,16 @@ def _scale_column_mgpu(sc_s, j, q):
     from jaxlib.mlir.dialects import arith, gpu, memref, vector
 
     row = plgpu.Layout.WGMMA.reduce(1)
-    qv, jv = (plgpu.layout_cast(jnp.full((ROWS,), v, jnp.int32), row) for v in (q, j))
+    traced = [plgpu.layout_cast(jnp.full((ROWS,), v, jnp.int32), row) for v in ((q,) if isinstance(j, int) else (q, j))]
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), row, row),
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) + (row,) * len(traced),
                        return_type=plgpu.ShapeDtypeStruct((ROWS,), jnp.uint32, layout=row))
-    def column(_ctx, ref, qv, jv):
+    def column(_ctx, ref, qv, jv=None):
         index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
         c = lambda v: arith.constant(index, v)  # noqa: E731
         scalar = lambda v: arith.index_cast(index, vector.extract(  # noqa: E731
             v.registers.flat[0], dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0])))
-        col, lead = scalar(qv), scalar(jv)
+        col, lead = scalar(qv), c(j) if jv is None else scalar(jv)     # a static set stays a constant index
         per_row = c(ir.MemRefType(ref.type).shape[1] // 4)         # Q words a row (the rows flat as [4Q, 16])
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
         base = arith.addi(arith.muli(arith.divui(tid, c(32)), c(16)), arith.divui(arith.remui(tid, c(32)), c(4)))
@@ -164,7 +164,7 @@ def _scale_column_mgpu(sc_s, j, q):
             regs[0, 0, h, 0, 0] = vector.broadcast(ir.VectorType.get((1,), i32), word)
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=False)
 
-    return column(sc_s, qv, jv)
+    return column(sc_s, *traced)
 
 
 def expert_rows(experts):

@@ -369,8 +369,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
     mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs / mosaic_route_kernel / mosaic_programs are its
     options, stages and pairs by default `mosaic_fp4.default_options`); "triton" — these kernels; default
-    (`default_fp4_kernel`): "mosaic" where it applies, compiled on a GPU, at every batch size (H200, docs/benchmarks.md "FP4 experts on FP8 tensor
-    cores", "... wider tiles at prefill": 1.3-2.8x these kernels at 1-64 tokens, 1.7-2.4x at 1-2k tokens)."""
+    (`default_fp4_kernel`): "mosaic" where it applies, compiled on a GPU, at every batch size (H200,
+    docs/benchmarks.md "FP4 experts on FP8 tensor cores", "... wider tiles at prefill": 1.3-2.8x these kernels at
+    1-64 tokens, 1.7-2.4x at 1-2k tokens)."""
     if fp8_dot not in ("pieces", "groups"):
         raise ValueError(f"moe_gemm pallas: fp8_dot must be 'pieces' or 'groups', got {fp8_dot!r}")
     if fp4_kernel not in (None, "triton", "mosaic"):
