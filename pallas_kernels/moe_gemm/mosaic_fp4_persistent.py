@@ -37,9 +37,10 @@ def used_tiles(experts):
 
 
 def aligned(rows: int, row_words: int) -> int:
-    """Rows of 4-byte words a buffer holds so that each of two side by side starts on 128 bytes: a TMA copy's
-    shared-memory end must (a unit's pair weights, 8 floats, and V4.1's 18 x-scale rows of 8 would not: the
-    GPU stops the kernel with a misaligned address)."""
+    """Rows of 4-byte words a buffer holds so that each of two side by side starts on 128 bytes. A precaution, not a
+    proven need: the first version (parts 32 bytes apart for 8 pair weights) stopped on an H100 with a misaligned
+    address whose cause is not established. Mosaic moves these contiguous buffers with `cp.async.bulk`, which asks
+    16 bytes; a tensor-map copy would ask 128."""
     while rows * row_words * 4 % 128:
         rows += 1
     return rows
