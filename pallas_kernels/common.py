@@ -351,6 +351,12 @@ def check_offsets(name: str, *arrays) -> None:
                          "(more than 2^31 elements in at most 2^32 bytes); use the xla implementation")
 
 
+def every_bit(flag):
+    """A u32 scalar of all ones where flag, else 0: a mask for `&` in Mosaic GPU kernels (their select does not
+    broadcast a scalar predicate)."""
+    return jnp.uint32(0) - flag.astype(jnp.uint32)
+
+
 def fp4_words(w):
     """Packed e2m1 bytes uint8 [..., n] (n % 4 == 0) -> uint32 [..., n/4], the same bytes read as little-endian
     words (a bitcast, no copy). Kernels index weight stacks in words: Pallas' Triton lowering computes element

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsjax.kernels.common import fp4_e4m3_words, fp4_words, gpu_interpret
+from dsjax.kernels.common import every_bit, fp4_e4m3_words, fp4_words, gpu_interpret
 from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT, expert_rows, weight_block_spec, weight_spec
 
 READ_OPTIONS = ("block_k", "stages", "k_splits", "programs", "decode")
@@ -156,11 +156,6 @@ def read_words_persistent(stacks, experts, *, programs: int, block_k: int = 256,
                        plgpu.Barrier(num_barriers=1)],
         interpret=interp)
     return kernel(expert_rows(experts), *stacks)
-
-
-def every_bit(flag):
-    """A u32 scalar of all ones where flag, else 0: a mask for `&` (the kernel's select does not broadcast)."""
-    return jnp.uint32(0) - flag.astype(jnp.uint32)
 
 
 def read_words_persistent_reference(stacks, experts, *, programs: int, block_k: int = 256, decode: bool = False):

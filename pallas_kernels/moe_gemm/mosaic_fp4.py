@@ -184,6 +184,41 @@ def weight_block_spec(W: int, index_map):
                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
 
 
+def pair_rows_spec(nb: int, N: int, row_bytes: int, index_map):
+    """The pipeline's BlockSpec of a tile's pair rows: nb 32-column blocks of N rows a step, `index_map` of the step
+    to (tile, block column, 0, 0); rows of `row_bytes` swizzled as wgmma's B operand reads them."""
+    return plgpu.BlockSpec((None, nb, N, BLOCK), index_map,
+                           transforms=(plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(row_bytes)))
+
+
+def kernel_refs(refs, fp8: bool, n_lin: int):
+    """A `tile_gemm` kernel's refs after (head, x): (x scales or None, pair weights, weight word stacks, scale
+    stacks, output, [scratch...]) — both launches take the same operands."""
+    refs = list(refs)
+    xs_ref = refs.pop(0) if fp8 else None
+    pw_ref = refs.pop(0)
+    return xs_ref, pw_ref, refs[:n_lin], refs[n_lin:2 * n_lin], refs[2 * n_lin], refs[2 * n_lin + 1:]
+
+
+def store_unit(accs, o_s, out_ref, pair_weights, *, t, rows, split, split_out: bool, swiglu_limit):
+    """One unit's sums out through o_s: the fp32 partials of K split `split` (the caller adds them), or the
+    epilogue's bf16 tile (h with `pair_weights`, a [N] shared-memory ref, when there are two Linears; else y)."""
+    if split_out:
+        for j, acc in enumerate(accs):
+            o_s[j] = acc
+        plgpu.commit_smem()
+        for j in range(len(accs)):
+            plgpu.copy_smem_to_gmem(o_s.at[j], out_ref.at[j, split, t, rows])
+        return
+    weight = None
+    if len(accs) == 2:
+        N = accs[0].shape[1]
+        weight = lax.broadcast_in_dim(plgpu.load(pair_weights, layout=plgpu.Layout.WGMMA.reduce(0)), (ROWS, N), [1])
+    o_s[...] = epilogue(accs, weight, swiglu_limit)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
+
+
 def epilogue(accs, weight, swiglu_limit):
     """fp32 sums of one Linear (y) or two (gate, up) -> bf16: y rounded, or h = round(swiglu(round(g), round(u)) ·
     weight) — the Triton kernels' fused epilogue; in the kernel, or after `tile_gemm`'s K splits are added."""
@@ -319,17 +354,12 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
     interpreting = interp not in (None, False)
-    COL, ACC = plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    ACC = plgpu.Layout.WGMMA
     n_lin = len(lins)
     step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear)
 
     def body(e_ref, x_ref, *rest):
-        rest = list(rest)
-        xs_ref = rest.pop(0) if fp8 else None
-        pw_ref = rest.pop(0)
-        w_refs, s_refs = rest[:n_lin], rest[n_lin:2 * n_lin]
-        out_ref = rest[2 * n_lin]
-        e_s, xs_s, pw_s, sc_s, o_s, bars = rest[2 * n_lin + 1:]
+        xs_ref, pw_ref, w_refs, s_refs, out_ref, (e_s, xs_s, pw_s, sc_s, o_s, bars) = kernel_refs(rest, fp8, n_lin)
         t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
         rows = pl.ds(r * ROWS, ROWS)
         plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
@@ -358,23 +388,12 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             spec = weight_spec(W, e, r, split * steps)
             # the pair rows stream beside the weights (nb blocks a step): loaded whole up front they were the
             # largest buffer (64 KB at K = 4096 in bf16), waited for before the first weight load
-            x_spec = plgpu.BlockSpec((None, nb, N, BLOCK), lambda k: (t, split * steps + k, 0, 0),
-                                     transforms=(plgpu.TilingTransform((8, BLOCK)),
-                                                 plgpu.SwizzleTransform(row_bytes)))
+            x_spec = pair_rows_spec(nb, N, row_bytes, lambda k: (t, split * steps + k, 0, 0))
             zeros = tuple(plgpu.layout_cast(jnp.zeros((ROWS, N), jnp.float32), ACC) for _ in range(n_lin))
             accs = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec] + [spec] * n_lin,
                                        max_concurrent_steps=stages, init_carry=zeros)(x_ref, *w_refs)
-            if k_splits > 1:                                # partial sums out; the caller adds them
-                for j in range(n_lin):
-                    o_s[j] = accs[j]
-                plgpu.commit_smem()
-                for j in range(n_lin):
-                    plgpu.copy_smem_to_gmem(o_s.at[j], out_ref.at[j, split, t, rows])
-            else:
-                weight = lax.broadcast_in_dim(plgpu.load(pw_s, layout=COL), (ROWS, N), [1]) if two else None
-                o_s[...] = epilogue(accs, weight, swiglu_limit)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
+            store_unit(accs, o_s, out_ref, pw_s, t=t, rows=rows, split=split, split_out=k_splits > 1,
+                       swiglu_limit=swiglu_limit)
             plgpu.wait_smem_to_gmem(0)
 
     check_offsets("moe_gemm_mosaic_fp4", x_tiles, *words, *scales)

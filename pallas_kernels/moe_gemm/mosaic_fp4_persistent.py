@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dsjax.kernels.common import every_bit
+
 SMS = 132           # the H100's and H200's SMs: one program each by default
 
 
@@ -57,7 +59,7 @@ def side_buffers(fp8: bool, Q: int, N: int, n_lin: int):
 def _keep_unless(flag, acc):
     """acc with every bit cleared where flag (a scalar), else as it is: a unit's first step starts its sums from 0
     (a mask on the bits, not a product: a product keeps an inf or NaN of the unit before)."""
-    keep = jnp.uint32(0) - jnp.logical_not(flag).astype(jnp.uint32)
+    keep = every_bit(jnp.logical_not(flag))
     return lax.bitcast_convert_type(lax.bitcast_convert_type(acc, jnp.uint32) & keep, jnp.float32)
 
 
@@ -66,23 +68,18 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
     """The `plgpu.kernel` of the persistent launch, called as `tile_gemm`'s tile-grid kernel is (the table of
     `used_tiles` in place of the tile experts): -> bf16 [T, n_out, N], or with k_splits > 1 the fp32 partials
     [n_lin, k_splits, T, n_out, N] (unused tiles' rows undefined)."""
-    from dsjax.kernels.moe_gemm.mosaic_fp4 import BLOCK, QUAD, ROWS, epilogue, weight_block_spec
+    from dsjax.kernels.moe_gemm.mosaic_fp4 import (QUAD, ROWS, kernel_refs, pair_rows_spec, store_unit,
+                                                   weight_block_spec)
 
     fp8, nb, n_lin, N = step_math.fp8, step_math.nb, step_math.n_lin, step_math.N
     W, Q = block_k // 8, K // QUAD
     R, S = n_out // ROWS, K // block_k // k_splits           # row blocks a tile; steps a unit
     per_tile = R * k_splits                                  # units a tile
     n_side = fp8 + 1 + n_lin                                 # side copies a unit
-    two, split_out = n_lin == 2, k_splits > 1
-    COL = plgpu.Layout.WGMMA.reduce(0)
+    split_out = k_splits > 1
 
     def body(tab_ref, x_ref, *rest):
-        rest = list(rest)
-        xs_ref = rest.pop(0) if fp8 else None
-        pw_ref = rest.pop(0)
-        w_refs, s_refs = rest[:n_lin], rest[n_lin:2 * n_lin]
-        out_ref = rest[2 * n_lin]
-        tab_s, xs_s, pw_s, sc_s, o_s, bars = rest[2 * n_lin + 1:]
+        xs_ref, pw_ref, w_refs, s_refs, out_ref, (tab_s, xs_s, pw_s, sc_s, o_s, bars) = kernel_refs(rest, fp8, n_lin)
         p = lax.axis_index("p")
         plgpu.copy_gmem_to_smem(tab_ref, tab_s, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
@@ -146,26 +143,15 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
             def _unit_end():
                 rows = pl.ds(r * ROWS, ROWS)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last unit's store has read o_s
-                if split_out:
-                    for j in range(n_lin):
-                        o_s[j] = new[j]
-                    plgpu.commit_smem()
-                    for j in range(n_lin):
-                        plgpu.copy_smem_to_gmem(o_s.at[j], out_ref.at[j, s, t, rows])
-                else:
-                    pair_weights = pw_s.at[buf, pl.ds(0, N)]
-                    weight = lax.broadcast_in_dim(plgpu.load(pair_weights, layout=COL), (ROWS, N), [1]) if two else None
-                    o_s[...] = epilogue(new, weight, swiglu_limit)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
+                store_unit(new, o_s, out_ref, pw_s.at[buf, pl.ds(0, N)], t=t, rows=rows, split=s,
+                           split_out=split_out, swiglu_limit=swiglu_limit)
             return new
 
         @pl.when(n_units > 0)
         def _work():
             side_copies(0, 0)
             w_spec = weight_block_spec(W, weight_map)
-            x_spec = plgpu.BlockSpec((None, nb, N, BLOCK), x_map,
-                                     transforms=(plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(row_bytes)))
+            x_spec = pair_rows_spec(nb, N, row_bytes, x_map)
             zeros = tuple(plgpu.layout_cast(jnp.zeros((ROWS, N), jnp.float32), plgpu.Layout.WGMMA)
                           for _ in range(n_lin))
             plgpu.emit_pipeline(step, grid=(n_units * S,), in_specs=[x_spec] + [w_spec] * n_lin,
