@@ -350,7 +350,6 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     # ue8m0 bytes -> u32 words of 4 blocks; a program's 64 rows are contiguous: [E * n_out / 64, 4Q, 16] (rows of
     # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
     scales = [fp4_words(l.scale).reshape(E * n_out // ROWS, 4 * Q, 16) for l in lins]
-    exp_rows = expert_rows(experts)
     pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
     interpreting = interp not in (None, False)
@@ -398,26 +397,28 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
 
     check_offsets("moe_gemm_mosaic_fp4", x_tiles, *words, *scales)
     split_out = k_splits > 1
-    kernel = plgpu.kernel(
-        body, out_type=(jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32) if split_out else
-                        jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16)),
-        grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
-        scratch_types=[
-            plgpu.SMEM((4,), jnp.int32),                                            # the tile's expert
-            plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),                          # their scales (e4m3 codes)
-            plgpu.SMEM((N,), jnp.float32),                                          # pair weights
-            plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32),                             # the rows' weight scales
-            (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else            # the output tile: partials
-             plgpu.SMEM((ROWS, N), jnp.bfloat16)),                                  # or the epilogue's
-            plgpu.Barrier(num_barriers=2 + fp8 + n_lin),
-        ],
-        interpret=interp)
     if programs:
         kernel = persistent_kernel(step_math, T=T, n_out=n_out, K=K, block_k=block_k, k_splits=k_splits,
                                    stages=stages, programs=programs, row_bytes=row_bytes, swiglu_limit=swiglu_limit,
                                    interp=interp)
-    out = kernel(used_tiles(experts) if programs else exp_rows, x_tiles, *([x_scales] if fp8 else []), pw, *words,
-                 *scales)
+        head = used_tiles(experts)
+    else:
+        kernel = plgpu.kernel(
+            body, out_type=(jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32) if split_out else
+                            jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16)),
+            grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
+            scratch_types=[
+                plgpu.SMEM((4,), jnp.int32),                                        # the tile's expert
+                plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),                      # their scales (e4m3 codes)
+                plgpu.SMEM((N,), jnp.float32),                                      # pair weights
+                plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32),                         # the rows' weight scales
+                (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else        # the output tile: partials
+                 plgpu.SMEM((ROWS, N), jnp.bfloat16)),                              # or the epilogue's
+                plgpu.Barrier(num_barriers=2 + fp8 + n_lin),
+            ],
+            interpret=interp)
+        head = expert_rows(experts)
+    out = kernel(head, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales)
     if not split_out:
         return out
     sums = [functools.reduce(jnp.add, [out[j, i] for i in range(k_splits)]) for j in range(n_lin)]
