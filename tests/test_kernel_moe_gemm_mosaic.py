@@ -115,11 +115,12 @@ def test_used_tiles_lists_used_tiles_first_with_their_count():
 
 @pytest.mark.parametrize("K", [4096, 2048, 5120, 2304])      # V4-Flash's and V4.1-Flash's up and down contractions
 def test_persistent_side_buffers_start_on_128_bytes(K):
-    """Each unit's side operands land by bulk copy in the part of a two-unit buffer its parity picks. The first
-    version, whose 8 pair weights a unit put the second part 32 bytes in, stopped on an H100 with a misaligned
-    address (cause not established; interpret mode cannot see alignment). The kernel now starts every part on 128
-    bytes, what a tensor-map copy would ask (`mosaic_fp4_persistent.aligned`); this keeps that precaution for every K
-    of V4-Flash and V4.1-Flash (18 x-scale rows at V4.1's 2304) and tile width."""
+    """Each unit's side operands land by tensor-map copy (`cp.async.bulk.tensor` in the PTX; its shared-memory
+    destination must start on 128 bytes) in the part of a two-unit buffer its parity picks. The first version, whose
+    8 pair weights a unit put the second part 32 bytes in, stopped on an H100 with a misaligned address, which
+    interpret mode cannot see; with every part on 128 bytes (`mosaic_fp4_persistent.aligned`) it runs, clean under
+    compute-sanitizer. This keeps that for every K of V4-Flash and V4.1-Flash (18 x-scale rows at V4.1's 2304) and
+    tile width."""
     from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import side_buffers
 
     Q = K // mosaic_fp4.QUAD
