@@ -399,9 +399,11 @@ def test_looped_timer_keeps_every_output():
 def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     """`bench moe_read_ceiling`: the loads-only kernels (interpreted) XOR exactly the words of their experts' rows,
     K split included, an unused tile reads nothing; the persistent launch too, with a program past the end (15
-    programs of 8 steps over 112: the last has none), folding the FP4 decode's words in step order; each part is timed; an option set the kernel refuses is
-    reported and the run goes on; unknown options are refused with exit 2. Then the CUDA lowering at V4-Flash's
-    shapes (the same grid and pipeline as the GEMM kernels; and the persistent launch, one program an SM)."""
+    programs of 8 steps over 112: the last has none), folding the FP4 decode's words in step order, and both
+    projections' reads in one persistent launch (each group as its own persistent launch folds it); each part is
+    timed; an option set the kernel refuses is reported and the run goes on; unknown options are refused with exit
+    2. Then the CUDA lowering at V4-Flash's shapes (the same grid and pipeline as the GEMM kernels; the persistent
+    launch, one program an SM; and the one-launch read of both projections)."""
     import jax
     import jax.numpy as jnp
 
@@ -414,7 +416,8 @@ def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     head, *recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert head["shapes"]["k"] == 6
     timed = [r for r in recs if "us" in r]
-    assert {r["part"] for r in timed} == {"up", "down", "both"} and all(r["us"] > 0 for r in timed)
+    assert {r["part"] for r in timed} == {"up", "down", "both", "one launch"} and all(r["us"] > 0 for r in timed)
+    assert {r["options"].get("programs") for r in timed if r["part"] == "one launch"} == {15}
     assert timed[0]["bytes"] == 6 * 2 * 512 * 512 // 2
     assert {r["options"].get("programs") for r in timed} == {None, 15}
     (refused,) = [r for r in recs if "error" in r]
@@ -428,6 +431,11 @@ def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     assert "mosaic_gpu" in text
     text = lower_for_h200(lambda d, x: moe_read_ceiling.read_words([d], x, programs=132, stages=4, decode=True,
                                                                              interpret=False),
+                          S((256, 4096, 256), jnp.uint32), S((6,), jnp.int32))
+    assert "mosaic_gpu" in text
+    text = lower_for_h200(lambda g, u, d, x: moe_read_ceiling.read_words_one_launch([[g, u], [d]], x, programs=132,
+                                                                                   stages=4, interpret=False),
+                          S((256, 2048, 512), jnp.uint32), S((256, 2048, 512), jnp.uint32),
                           S((256, 4096, 256), jnp.uint32), S((6,), jnp.int32))
     assert "mosaic_gpu" in text
 

@@ -13,9 +13,12 @@ design is a different grid (more programs, a K split, one persistent launch: `pr
     python -m dsjax.bench.moe_read_ceiling --tokens 1,2,4,8 --configs '[{}, {"stages": 3}, {"k_splits": 2}]'
     python -m dsjax.bench.moe_read_ceiling --configs '[{"programs": 132}, {"programs": 132, "stages": 4}]'
     python -m dsjax.bench.moe_read_ceiling --configs '[{"decode": true}, {"programs": 132, "decode": true}]'
+    python -m dsjax.bench.moe_read_ceiling --tokens 1,2,8 --configs '[{"programs": 132, "stages": 4}]'  # + one launch
     python -m dsjax.bench.moe_read_ceiling --smoke        # tiny shapes, interpreted (a CPU check)
 
-Prints µs per launch and the share of the copy rate; --out writes JSON lines.
+Prints µs per launch and the share of the copy rate; --out writes JSON lines. With `programs`, a fourth part,
+"one launch": both projections' reads in one persistent launch, each program its share of the up steps then of
+the down steps — the read side of a one-launch op (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -108,54 +111,75 @@ def read_words_persistent(stacks, experts, *, programs: int, block_k: int = 256,
     that order, so no pipeline drains and refills at a tile's end, and no wave is left part-empty. -> u32
     [programs, 64, block_k / 8]: every word a program read folded in by `absorb`, in step order (an unused tile's
     loads are made, of expert 0, and folded in as zeros)."""
-    E, n_out, Kw = stacks[0].shape
+    return read_words_one_launch([stacks], experts, programs=programs, block_k=block_k, stages=stages,
+                                 decode=decode, interpret=interpret)[0]
+
+
+def read_words_one_launch(groups, experts, *, programs: int, block_k: int = 256, stages: int = 2,
+                          decode: bool = False, interpret=None):
+    """`read_words_persistent` for several groups of stacks in ONE launch — the up projection's [gate, up], then
+    the down projection's [down]: each program reads its share of the first group's steps through one pipeline,
+    then its share of the next group's through another, with no launch between (loads only, so no barrier: the
+    read side of a one-launch op). -> u32 [groups, programs, 64, block_k / 8], each group as
+    `read_words_persistent` folds it."""
     W = block_k // 8
-    if n_out % ROWS or Kw % W:
-        raise ValueError(f"moe_read_ceiling: n_out {n_out} must be a multiple of {ROWS} and the {Kw} words a row "
-                         f"whole steps of {W}")
-    T, n = experts.shape[0], len(stacks)
-    R, S = n_out // ROWS, Kw // W
-    U = T * R * S
-    per = -(-U // programs)
+    for stacks in groups:
+        E, n_out, Kw = stacks[0].shape
+        if n_out % ROWS or Kw % W:
+            raise ValueError(f"moe_read_ceiling: n_out {n_out} must be a multiple of {ROWS} and the {Kw} words a "
+                             f"row whole steps of {W}")
+    T = experts.shape[0]
+    sizes = [len(stacks) for stacks in groups]
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
 
     def body(e_ref, *refs):
-        w_refs, out_ref, e_s, o_s, bar = refs[:n], refs[n], refs[n + 1], refs[n + 2], refs[n + 3]
+        n_all = sum(sizes)
+        out_ref, e_s, o_s, bar = refs[n_all:]
         p = lax.axis_index("p")
         plgpu.copy_gmem_to_smem(e_ref, e_s, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-        first = p * per
-        count = jnp.clip(U - first, 0, per)
+        start = 0
+        for g, stacks in enumerate(groups):
+            w_refs, n = refs[start:start + sizes[g]], sizes[g]
+            start += n
+            R, S = stacks[0].shape[1] // ROWS, stacks[0].shape[2] // W
+            U = T * R * S
+            per = -(-U // programs)
+            first = p * per
+            count = jnp.clip(U - first, 0, per)
 
-        def tile_of(i):                      # step i of this program -> (tile, row block, column block)
-            g = jnp.minimum(first + i, U - 1)  # a program past the end reads the last step once
-            return g // (R * S), g // S % R, g % S
+            def tile_of(i, first=first, U=U, R=R, S=S):   # step i of this program -> (tile, row block, column block)
+                q = jnp.minimum(first + i, U - 1)           # a program past the end reads the last step once
+                return q // (R * S), q // S % R, q % S
 
-        def index_map(i):
-            t, r, k = tile_of(i)
-            return jnp.maximum(e_s[t, 0], 0), r, k
+            def index_map(i, tile_of=tile_of):
+                t, r, k = tile_of(i)
+                return jnp.maximum(e_s[t, 0], 0), r, k
 
-        def step(idx, *refs_and_carry):
-            acc = refs_and_carry[n]
-            keep = every_bit(e_s[tile_of(idx[0])[0], 0] >= 0)
-            for w_s in refs_and_carry[:n]:
-                acc = absorb(acc, plgpu.load(w_s, layout=WORDS_LAYOUT) & keep, decode)
-            return acc
+            def step(idx, *refs_and_carry, n=n, tile_of=tile_of):
+                acc = refs_and_carry[n]
+                keep = every_bit(e_s[tile_of(idx[0])[0], 0] >= 0)
+                for w_s in refs_and_carry[:n]:
+                    acc = absorb(acc, plgpu.load(w_s, layout=WORDS_LAYOUT) & keep, decode)
+                return acc
 
-        zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
-        acc = plgpu.emit_pipeline(step, grid=(jnp.maximum(count, 1),), in_specs=[weight_block_spec(W, index_map)] * n,
-                                  max_concurrent_steps=stages, init_carry=zero)(*w_refs)
-        o_s[...] = acc & every_bit(count > 0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, out_ref.at[p])
+            zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
+            acc = plgpu.emit_pipeline(step, grid=(jnp.maximum(count, 1),),
+                                      in_specs=[weight_block_spec(W, index_map)] * n,
+                                      max_concurrent_steps=stages, init_carry=zero)(*w_refs)
+            plgpu.wait_smem_to_gmem(0)                      # the group before has read o_s
+            o_s[...] = acc & every_bit(count > 0)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, out_ref.at[g, p])
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((programs, ROWS, W), jnp.uint32), grid=(programs,), grid_names=("p",),
+        body, out_type=jax.ShapeDtypeStruct((len(groups), programs, ROWS, W), jnp.uint32), grid=(programs,),
+        grid_names=("p",),
         scratch_types=[plgpu.SMEM((T, 4), jnp.int32), plgpu.SMEM((ROWS, W), jnp.uint32),
                        plgpu.Barrier(num_barriers=1)],
         interpret=interp)
-    return kernel(expert_rows(experts), *stacks)
+    return kernel(expert_rows(experts), *[st for stacks in groups for st in stacks])
 
 
 def read_words_persistent_reference(stacks, experts, *, programs: int, block_k: int = 256, decode: bool = False):
@@ -214,7 +238,8 @@ def read_option_list(text: str) -> list[dict]:
 
 
 def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smoke: bool) -> list[dict]:
-    """The up launch, the down launch and both in one jit, timed on the device (one dispatch, many calls)."""
+    """The up launch, the down launch and both in one jit, timed on the device (one dispatch, many calls); with
+    `programs`, also both projections' reads in one persistent launch (`read_words_one_launch`)."""
     from dsjax.bench.kernels import time_us_looped
 
     gate, up, down = stacks
@@ -223,6 +248,8 @@ def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smok
     up_fn = jax.jit(lambda g, u, x: read_words([g, u], x, **opts))
     down_fn = jax.jit(lambda d, x: read_words([d], x, **opts))
     both_fn = jax.jit(lambda g, u, d, x: (read_words([g, u], x, **opts), read_words([d], x, **opts)))
+    persistent = {k: v for k, v in opts.items() if k != "k_splits"}
+    one_fn = jax.jit(lambda g, u, d, x: read_words_one_launch([[g, u], [d]], x, **persistent))
     if smoke:                                   # the contract, on the interpreter, with an unused tile last
         tiles = jnp.append(experts, -1)
         got = up_fn(gate, up, tiles)
@@ -230,16 +257,22 @@ def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smok
         if cfg.get("programs"):
             want = read_words_persistent_reference([gate, up], tiles, programs=cfg["programs"], **ref_opts)
             np.testing.assert_array_equal(np.asarray(got), want)
+            got_one = one_fn(gate, up, down, tiles)
+            for g, stacks in enumerate(([gate, up], [down])):
+                np.testing.assert_array_equal(np.asarray(got_one[g]), read_words_persistent_reference(
+                    stacks, tiles, programs=cfg["programs"], **ref_opts))
         else:
             for tile_got, tile_want in zip(got, read_words_reference([gate, up], tiles, **ref_opts)):
                 if tile_want is not None:
                     np.testing.assert_array_equal(np.asarray(tile_got), tile_want)
     nbytes = {"up": n_experts * 2 * I * D // 2, "down": n_experts * D * I // 2}     # FP4 codes: half a byte each
-    nbytes["both"] = nbytes["up"] + nbytes["down"]
+    nbytes["both"] = nbytes["one launch"] = nbytes["up"] + nbytes["down"]
     timer = functools.partial(time_us_looped, **(dict(repeat=1, rounds=1) if smoke else {}))
     calls = {"up": (lambda x, g, u: up_fn(g, u, x), (experts, gate, up)),
              "down": (lambda x, d: down_fn(d, x), (experts, down)),
              "both": (lambda x, g, u, d: both_fn(g, u, d, x), (experts, gate, up, down))}
+    if cfg.get("programs"):                     # both projections' reads in one persistent launch
+        calls["one launch"] = (lambda x, g, u, d: one_fn(g, u, d, x), (experts, gate, up, down))
     out = []
     for part, (fn, args) in calls.items():
         us = timer(fn, *args)
