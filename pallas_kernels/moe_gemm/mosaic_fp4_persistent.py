@@ -19,7 +19,8 @@ Measured on an H100 (2026-12-05, docs/benchmarks.md "The persistent launch on an
 tile grid's, but both GEMM kernels are slower (132 programs, 4 stages: up 33.3 vs 25.4 µs at one token, 160.3 vs
 148.7 at 8; down 17.3 vs 13.2, 103.3 vs 77.6), so the launch stays opt-in (`programs` 0 is the tile grid). Not
 the side operands, the in-pipeline stores or the reset (timing-only variants: 0-4%); two programs an SM recover much
-of it, so likely one warpgroup's serial step (decode, wgmma, scales) bounds an SM here.
+of it, and with the FP4 decode its reads stay ahead, so likely one warpgroup's serial step (wgmma, its wait, the
+scaled sums) bounds an SM here.
 """
 
 import jax
