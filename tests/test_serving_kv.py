@@ -276,19 +276,23 @@ def test_redis_stopped_means_recompute(cluster):
         assert got == plain and cached == 0 and time.perf_counter() - t0 < 60
         assert _delta(after, before, 'dsjax_kv_handoff_failures_total{reason="redis_unavailable"}') == 1
     finally:
-        redis.start()
+        redis.start()  # empty (no persistence): each server is alive again only from its next heartbeat
         b.svc.kv.ownership.heartbeat()
+        _wait(lambda: redis.client().exists("srv:A"), 30, "A's heartbeat after the restart")
 
 
 def test_owner_killed_mid_transfer(cluster):
     """Last (A dies): B pulls A's snapshot over the chunked path (A sends 32 KiB chunks 50 ms apart); once bytes
     have landed on B, A is SIGKILLed. B discards them and recomputes: correct tokens, labelled in the metrics.
-    The pull gets 30 s here, not the cluster's 2: on CI's two busy cores no chunk once landed on B at all (the
-    likely cause, not recorded: the 2-s budget ran out before A's first chunk, and B recomputed); if none lands now,
-    the failure names B's handoff counters."""
+    Once on CI no chunk landed on B at all. The likely cause (not recorded): the test before restarts Redis, empty,
+    and A is alive there again only from its next heartbeat (every 3 s); a lookup before it finds the owner not
+    alive, drops its claim and recomputes without pulling. So A's liveness record is waited for first (here and at
+    that test's end); the pull also gets 30 s, not the cluster's 2, so a busy machine cannot end it on its budget
+    before the first chunk; and if none lands, the failure names B's handoff counters."""
     import concurrent.futures
 
     redis, a, b = cluster
+    _wait(lambda: redis.client().exists("srv:A"), 30, "A alive in Redis")
     first = [{"role": "user", "content": "Tell me about deserts."}]
     out1, _ = _chat(a, first, key="killed")
     _wait(lambda: redis.client().hget(f"kv:{{{_cid('killed')}}}:own", "srv") == "A", 30, "A's claim")
@@ -305,8 +309,9 @@ def test_owner_killed_mid_transfer(cluster):
                 _wait(lambda: kv.received_bytes > seen, 30, "the first chunk on B")
             except TimeoutError:
                 now = _metrics(b)
+                counters = ("dsjax_kv_handoff_failures_total", "dsjax_kv_source_total")
                 raise AssertionError("no chunk landed on B in 30 s; B's handoff counters since: " + str(
-                    {k: _delta(now, before, k) for k in now if k.startswith("dsjax_kv_") and _delta(now, before, k)}))
+                    {k: _delta(now, before, k) for k in now if k.startswith(counters) and _delta(now, before, k)}))
             a.kill()
             got, cached = job.result(timeout=120)
     finally:
