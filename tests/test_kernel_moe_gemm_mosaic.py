@@ -222,6 +222,7 @@ def test_default_tile_width_follows_an_experts_mean_share():
 
 @pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits,pairs,route,programs", [
     (256, 4096, 2048, 1, True, 1, None, False, 0), (256, 4096, 2048, 8, True, 1, None, False, 0),
+    (256, 4096, 2048, 8, True, 1, None, False, "early+pdl"), (384, 5120, 2304, 6, False, 1, None, False, "early+pdl"),
     (384, 5120, 2304, 6, True, 1, None, False, 0), (256, 4096, 2048, 8, False, 1, None, False, 0),
     (384, 5120, 2304, 6, False, 1, None, False, 0), (256, 4096, 2048, 1, False, 2, None, False, 0),
     (256, 4096, 2048, 1024, True, 1, 32, False, 0), (256, 4096, 2048, 1024, False, 1, 64, False, 0),
@@ -232,20 +233,26 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
     including the `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns;
     one Mosaic kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU); K split over two programs;
     wide tiles (32 and 64 pairs: wgmma's N); the slots from `route_slots` (a third Triton launch); the persistent
-    launch (132 programs, 4 stages)."""
+    launch (132 programs, 4 stages); each block's sum as soon as its wgmma is done and the launch as a
+    programmatic dependent ("early+pdl": `wgmma_accumulator_load` with wait_n, `griddepcontrol.wait`)."""
     S = jax.ShapeDtypeStruct
+    early = programs == "early+pdl"
+    programs = 0 if early else programs
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
     f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
                                             act_quant_sim=act_quant_sim,
                                             act_quant_block=128, implementation="pallas", interpret=False,
                                             fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs,
                                             mosaic_route_kernel=route, mosaic_programs=programs,
-                                            mosaic_stages=4 if programs else None)
+                                            mosaic_stages=4 if programs else None, mosaic_early_sums=early,
+                                            mosaic_pdl=early)
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2
     assert text.count("__gpu$xla.gpu.triton") == 2 + route and "moe_tile_operands" in text   # x's and h's A tiles
     assert ("moe_route_slots" in text) == route
+    assert text.count("uses_pdl") == (2 if early else 0) and ("griddepcontrol.wait" in text) == early
+    assert (text.count("wgmma.wait_group") > 16) == early           # a wait a block, with its wait_n
 
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
@@ -271,3 +278,18 @@ def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pair
     _check_mosaic(got, run("reference"))
     _check_mosaic(got, run("pallas", interpret=False, fp4_kernel="triton"))
     del case
+
+
+@pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
+@pytest.mark.parametrize("n,early,pdl", [(1, True, False), (8, True, False), (40, True, True), (1, False, True),
+                                         (8, True, True)])
+def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, act_quant_sim):
+    """`fold_early` does the same fp32 products and sums in the same order as `fold`, and the programmatic launch
+    only moves when the programs start: both must leave the op's output unchanged, bit for bit."""
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
+    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
+                                          interpret=False, fp4_kernel="mosaic", **o))
+    got = run(mosaic_early_sums=early, mosaic_pdl=pdl)
+    np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))

@@ -239,6 +239,7 @@ class StepMath(NamedTuple):
     N: int                  # pairs a tile: wgmma's N
     interpreting: bool
     wait_per_linear: bool
+    early_sums: bool = False  # `fold_early`: each block's scaled sum as soon as its wgmma is done
 
     @property
     def unscale(self) -> float:
@@ -285,6 +286,8 @@ class StepMath(NamedTuple):
         scales = [[self.row_scales(sc_s, sc_first + j, q) for q in quads] for j in range(self.n_lin)]
         xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL), (ROWS, N), [1]) if self.fp8 else None
               for q in quads]
+        if self.early_sums and not self.interpreting:
+            return self.fold_early(accs, x_step, w_s, scales, xs)
         blocks = [self.operand_blocks(w_s[j]) for j in range(self.n_lin)]
         if self.wait_per_linear:
             parts = [self.block_dots([b], x_step)[0] for b in blocks]
@@ -302,9 +305,40 @@ class StepMath(NamedTuple):
             new.append(acc)
         return tuple(new)
 
+    def fold_early(self, accs, x_step, w_s, scales, xs):
+        """`fold` on the GPU with the step's latencies overlapped: Linear j + 1's words are decoded while Linear j's
+        wgmmas run, and each block's partial is read as soon as its own wgmma is done (`wgmma_accumulator_load`
+        with wait_n = the wgmmas issued after it: one commit group a wgmma), so its scaled sum runs while the later
+        blocks' wgmmas are in flight. The same products, scales and additions in the same order as `fold`: the
+        same bits."""
+        nb, N, n_lin = self.nb, self.N, self.n_lin
+        xb = [x_step.at[b] for b in range(nb)]
+        total = n_lin * nb
+
+        def dots(*refs):
+            for j in range(n_lin):
+                blocks = self.operand_blocks(w_s[j])
+                for b in range(nb):
+                    plgpu.wgmma(refs[j * nb + b], blocks[b], xb[b].transpose((1, 0)))
+            new = []
+            for j in range(n_lin):
+                acc = accs[j]
+                for qq in range(nb // 4):
+                    chunk = None
+                    for i, ws in enumerate(scales[j][qq]):
+                        at = j * nb + 4 * qq + i
+                        part = plgpu.wgmma_accumulator_load(refs[at], wait_n=total - 1 - at)
+                        term = part * lax.broadcast_in_dim(ws, (ROWS, N), [0])
+                        chunk = term if chunk is None else chunk + term
+                    acc = acc + (chunk * xs[qq] if self.fp8 else chunk)
+                new.append(acc)
+            return tuple(new)
+        return pl.run_scoped(dots, *[plgpu.ACC((ROWS, N), jnp.float32)] * total)
+
 
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
-              stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0, interpret=None):
+              stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0,
+              early_sums: bool = False, pdl: bool = False, interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -320,6 +354,10 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     programs: 0 = one program a unit (tile, 64-row block, K split); > 0 = one launch of that many programs (e.g.
     one an SM, `mosaic_fp4_persistent.SMS`), each streaming its share of the used tiles' units through one
     pipeline (`mosaic_fp4_persistent`): the same outputs, bit for bit.
+    early_sums: `StepMath.fold_early` (decode of the next Linear under this one's wgmmas, each block's scaled sum
+    as soon as its wgmma is done) instead of all wgmmas waited for before any sum; GPU only (interpreted: `fold`).
+    pdl: launch as a programmatic dependent (Hopper PDL, `plgpu.griddepcontrol_wait` first thing in each program,
+    before any input is read): the launch and the programs' set-up overlap the previous kernel's end.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
     T, nkb, N, _ = x_tiles.shape
     K = nkb * BLOCK
@@ -341,6 +379,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                          f"{block_k} columns")
     if programs < 0:
         raise ValueError(f"moe_gemm mosaic_fp4: programs must be 0 (a program a unit) or more, got {programs}")
+    if pdl and programs:
+        raise ValueError("moe_gemm mosaic_fp4: pdl is a tile grid option (programs=0)")
     if two and (pair_weight is None or swiglu_limit is None):
         raise ValueError("moe_gemm mosaic_fp4: gate/up needs pair_weight and swiglu_limit")
     W, nb, Q = block_k // 8, block_k // BLOCK, K // QUAD
@@ -355,10 +395,12 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     interpreting = interp not in (None, False)
     ACC = plgpu.Layout.WGMMA
     n_lin = len(lins)
-    step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear)
+    step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear, early_sums)
 
     def body(e_ref, x_ref, *rest):
         xs_ref, pw_ref, w_refs, s_refs, out_ref, (e_s, xs_s, pw_s, sc_s, o_s, bars) = kernel_refs(rest, fp8, n_lin)
+        if pdl and not interpreting:
+            plgpu.griddepcontrol_wait()         # the inputs are the previous kernel's outputs: nothing read before
         t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
         rows = pl.ds(r * ROWS, ROWS)
         plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
@@ -455,7 +497,7 @@ def default_options(n_pairs: int, n_experts: int) -> dict:
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
              interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
-             programs: int = 0):
+             programs: int = 0, early_sums: bool = False, pdl: bool = False):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -468,7 +510,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
     XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
-    one program an SM, for both GEMMs)."""
+    one program an SM, for both GEMMs). early_sums, pdl: `tile_gemm`'s, for both GEMMs."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -490,7 +532,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
-                interpret=interpret)
+                early_sums=early_sums, pdl=pdl, interpret=interpret)
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
 
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
