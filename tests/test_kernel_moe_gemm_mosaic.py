@@ -132,6 +132,15 @@ def test_persistent_side_buffers_start_on_128_bytes(K):
                 assert part % 128 == 0 and part >= copied, (shape, N, fp8)
 
 
+def test_scale_bytes_decode_as_e8m0():
+    """The kernel's shift-and-max decode of a ue8m0 byte equals `e8m0_to_f32` for all 256 bytes (0: 2^-127)."""
+    from dsjax.kernels.common import e8m0_to_f32
+    u = jnp.arange(256, dtype=jnp.uint32)
+    got, want = mosaic_fp4.scale_byte_f32(u), e8m0_to_f32(u.astype(jnp.uint8))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    assert float(got[0]) == 2.0 ** -127 and float(got[127]) == 1.0
+
+
 def test_mma_columns_is_a_permutation_within_32_column_blocks():
     x = jnp.arange(2 * 96).reshape(2, 96)
     p = np.asarray(mosaic_fp4.mma_columns(x))

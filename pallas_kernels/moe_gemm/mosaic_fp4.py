@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsjax.kernels.common import (check_offsets, e8m0_to_f32, fp4_code_to_f32, fp4_e4m3_words, fp4_pair_bits,
+from dsjax.kernels.common import (check_offsets, fp4_code_to_f32, fp4_e4m3_words, fp4_pair_bits,
                                   fp4_words, gpu_interpret, round_bf)
 from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import persistent_kernel, used_tiles
 from dsjax.layers import moe as _moe
@@ -167,6 +167,12 @@ def _scale_column_mgpu(sc_s, j, q):
     return column(sc_s, *traced)
 
 
+def scale_byte_f32(u):
+    """uint32 ue8m0 bytes e -> fp32 2^(e - 127), `e8m0_to_f32`'s values (byte 0 -> the subnormal 2^-127) by a shift
+    and an unsigned max: 0x400000 is 2^-127's bits and every other byte's shifted bits are larger."""
+    return lax.bitcast_convert_type(jnp.maximum(u << 23, jnp.uint32(0x00400000)), jnp.float32)
+
+
 def expert_rows(experts):
     """int32 [T] tile experts -> [T, 4]: one 16-byte row a tile (TMA copies whole 16-byte rows), expert first."""
     return jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))
@@ -272,9 +278,15 @@ class StepMath(NamedTuple):
         return [flat[j * nb:(j + 1) * nb] for j in range(len(blocks))]
 
     def row_scales(self, sc_s, j, q):
-        """Scale set j's 4 block scales of quad q per row (times `unscale`), fp32 [64] each."""
+        """Scale set j's 4 block scales of quad q per row, fp32 [64] each: 2^(e - 127), as `e8m0_to_f32` decodes
+        them (byte 0 the subnormal 2^-127) by a shift and an unsigned max (0x400000 is 2^-127's bits; every other
+        byte's shifted bits are larger), not a compare and select — per weight scale, the most frequent
+        non-decode work of a step. The e4m3 form's 2^6 `unscale` is applied to the pairs' activation scales
+        instead (`fold`: once a quad, not once a block and row); the bf16 form's 2^126 stays here, where it keeps
+        the block's partial times its scale in the normal range."""
         words = (_scale_column_jnp if self.interpreting else _scale_column_mgpu)(sc_s, j, q)
-        return [e8m0_to_f32((words >> (8 * i)) & 0xFF) * self.unscale for i in range(4)]
+        scales = [scale_byte_f32((words >> (8 * i)) & 0xFF) for i in range(4)]
+        return scales if self.fp8 else [s * self.unscale for s in scales]
 
     def fold(self, accs, k, x_step, w_s, sc_s, sc_first, xs_s):
         """accs (each Linear's fp32 [64, N]) plus step k's products. x_step: the step's pair rows [nb, N, 32];
@@ -284,8 +296,8 @@ class StepMath(NamedTuple):
         COL = plgpu.Layout.WGMMA.reduce(0)
         quads = [k * (nb // 4) + qq for qq in range(nb // 4)]
         scales = [[self.row_scales(sc_s, sc_first + j, q) for q in quads] for j in range(self.n_lin)]
-        xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL), (ROWS, N), [1]) if self.fp8 else None
-              for q in quads]
+        xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL) * self.unscale, (ROWS, N), [1]) if self.fp8
+              else None for q in quads]
         if self.early_sums and not self.interpreting:
             return self.fold_early(accs, x_step, w_s, scales, xs)
         blocks = [self.operand_blocks(w_s[j]) for j in range(self.n_lin)]
