@@ -305,13 +305,19 @@ class StepMath(NamedTuple):
             parts = [self.block_dots([b], x_step)[0] for b in blocks]
         else:
             parts = self.block_dots(blocks, x_step)
+        return self.scaled_sums(accs, lambda j, b: parts[j][b], scales, xs)
+
+    def scaled_sums(self, accs, part, scales, xs):
+        """Each Linear's acc plus its step's partials part(j, b) [64, N] times the rows' block scales, summed per
+        quad and times the pairs' activation scales (e4m3 form), in block order — the one fold order of both step
+        forms (and both launches)."""
         new = []
         for j in range(self.n_lin):
             acc = accs[j]
-            for qq in range(nb // 4):
+            for qq in range(self.nb // 4):
                 chunk = None
                 for i, ws in enumerate(scales[j][qq]):
-                    term = parts[j][4 * qq + i] * lax.broadcast_in_dim(ws, (ROWS, N), [0])
+                    term = part(j, 4 * qq + i) * lax.broadcast_in_dim(ws, (ROWS, self.N), [0])
                     chunk = term if chunk is None else chunk + term
                 acc = acc + (chunk * xs[qq] if self.fp8 else chunk)
             new.append(acc)
@@ -332,19 +338,9 @@ class StepMath(NamedTuple):
                 blocks = self.operand_blocks(w_s[j])
                 for b in range(nb):
                     plgpu.wgmma(refs[j * nb + b], blocks[b], xb[b].transpose((1, 0)))
-            new = []
-            for j in range(n_lin):
-                acc = accs[j]
-                for qq in range(nb // 4):
-                    chunk = None
-                    for i, ws in enumerate(scales[j][qq]):
-                        at = j * nb + 4 * qq + i
-                        part = plgpu.wgmma_accumulator_load(refs[at], wait_n=total - 1 - at)
-                        term = part * lax.broadcast_in_dim(ws, (ROWS, N), [0])
-                        chunk = term if chunk is None else chunk + term
-                    acc = acc + (chunk * xs[qq] if self.fp8 else chunk)
-                new.append(acc)
-            return tuple(new)
+            at = lambda j, b: j * nb + b  # noqa: E731  (the wgmma's place in issue order)
+            return self.scaled_sums(accs, lambda j, b: plgpu.wgmma_accumulator_load(
+                refs[at(j, b)], wait_n=total - 1 - at(j, b)), scales, xs)
         return pl.run_scoped(dots, *[plgpu.ACC((ROWS, N), jnp.float32)] * total)
 
 
