@@ -84,6 +84,23 @@ def test_tile_gemm_matches_dequantized_product(test_seed, fp8, block_k, stages, 
     print(f"y beyond one bf16 ulp: at most {worst:.3g} of the absolute products' sum")
 
 
+@pytest.mark.parametrize("fp8,block_k,programs", [(True, 256, 0), (False, 512, 0), (True, 256, 3)],
+                         ids=["e4m3-2quads", "bf16-4quads", "e4m3-persistent"])
+def test_quad_waits_equal_the_step_form(test_seed, fp8, block_k, programs):
+    """`quad_waits` (a step's blocks decoded, multiplied, waited for and summed a quad at a time) folds the same
+    products in the same order as the whole-step form: bit for bit, both epilogues, 2 and 4 quads a step, in the
+    tile grid and the persistent launch (interpreted on CPU; compiled on a GPU)."""
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8, experts=(-1, 2, 0, -1, 3, 1, -1))
+    opts = dict(block_k=block_k, stages=2, programs=programs, interpret=None if on_gpu else True)
+    used = np.asarray(experts) >= 0
+    for lins, extra in (([w1], {}), ([w1, w3], dict(pair_weight=pw, swiglu_limit=LIMIT))):
+        step = mosaic_fp4.tile_gemm(xt, xs, experts, lins, **opts, **extra)
+        quads = mosaic_fp4.tile_gemm(xt, xs, experts, lins, quad_waits=True, **opts, **extra)
+        a, b = (np.asarray(v, np.float32)[used] for v in (step, quads))
+        assert np.isfinite(a).all() and np.abs(a).max() > 0
+        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
+
+
 @pytest.mark.parametrize("fp8,k_splits,programs,stages", [
     (True, 1, 3, 2), (True, 2, 1, 3), (True, 1, 64, 2), (False, 2, 4, 2)],
     ids=["e4m3-3prog", "e4m3-split2-1prog", "e4m3-64prog", "bf16-split2-4prog"])
@@ -232,6 +249,7 @@ def test_default_tile_width_follows_an_experts_mean_share():
 @pytest.mark.parametrize("E,D,I,n,act_quant_sim,k_splits,pairs,route,programs", [
     (256, 4096, 2048, 1, True, 1, None, False, 0), (256, 4096, 2048, 8, True, 1, None, False, 0),
     (256, 4096, 2048, 8, True, 1, None, False, "early+pdl"), (384, 5120, 2304, 6, False, 1, None, False, "early+pdl"),
+    (256, 4096, 2048, 8, True, 1, None, False, "quads"), (384, 5120, 2304, 6, False, 1, None, False, "quads"),
     (384, 5120, 2304, 6, True, 1, None, False, 0), (256, 4096, 2048, 8, False, 1, None, False, 0),
     (384, 5120, 2304, 6, False, 1, None, False, 0), (256, 4096, 2048, 1, False, 2, None, False, 0),
     (256, 4096, 2048, 1024, True, 1, 32, False, 0), (256, 4096, 2048, 1024, False, 1, 64, False, 0),
@@ -243,10 +261,11 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
     one Mosaic kernel a GEMM (PTX and the cubin come at XLA compile time, on the GPU); K split over two programs;
     wide tiles (32 and 64 pairs: wgmma's N); the slots from `route_slots` (a third Triton launch); the persistent
     launch (132 programs, 4 stages); each block's sum as soon as its wgmma is done and the launch as a
-    programmatic dependent ("early+pdl": `wgmma_accumulator_load` with wait_n, `griddepcontrol.wait`)."""
+    programmatic dependent ("early+pdl": `wgmma_accumulator_load` with wait_n, `griddepcontrol.wait`); a step a
+    quad at a time ("quads": the words sliced in registers, a quad decoded and multiplied at a time)."""
     S = jax.ShapeDtypeStruct
-    early = programs == "early+pdl"
-    programs = 0 if early else programs
+    early, quads = programs == "early+pdl", programs == "quads"
+    programs = 0 if early or quads else programs
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
     f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
                                             act_quant_sim=act_quant_sim,
@@ -254,7 +273,7 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
                                             fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs,
                                             mosaic_route_kernel=route, mosaic_programs=programs,
                                             mosaic_stages=4 if programs else None, mosaic_early_sums=early,
-                                            mosaic_pdl=early)
+                                            mosaic_pdl=early, mosaic_quad_waits=quads)
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2
@@ -291,14 +310,17 @@ def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pair
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,early,pdl", [(1, True, False), (8, True, False), (40, True, True), (1, False, True),
-                                         (8, True, True)])
-def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, act_quant_sim):
-    """`fold_early` does the same fp32 products and sums in the same order as `fold`, and the programmatic launch
-    only moves when the programs start: both must leave the op's output unchanged, bit for bit."""
+@pytest.mark.parametrize("n,early,pdl,quads", [(1, True, False, False), (8, True, False, False),
+                                               (40, True, True, False), (1, False, True, False),
+                                               (8, True, True, False), (1, False, False, True),
+                                               (8, False, False, True)])
+def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, quads, act_quant_sim):
+    """`fold_early` and `fold_by_quad` do the same fp32 products and sums in the same order as `fold`, and the
+    programmatic launch only moves when the programs start: each must leave the op's output unchanged, bit for
+    bit."""
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                           act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
                                           interpret=False, fp4_kernel="mosaic", **o))
-    got = run(mosaic_early_sums=early, mosaic_pdl=pdl)
+    got = run(mosaic_early_sums=early, mosaic_pdl=pdl, mosaic_quad_waits=quads)
     np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))

@@ -246,6 +246,7 @@ class StepMath(NamedTuple):
     interpreting: bool
     wait_per_linear: bool
     early_sums: bool = False  # `fold_early`: each block's scaled sum as soon as its wgmma is done
+    quad_waits: bool = False  # `fold_by_quad`: a quad of blocks decoded, multiplied, waited for and summed at a time
 
     @property
     def unscale(self) -> float:
@@ -254,17 +255,20 @@ class StepMath(NamedTuple):
 
     def operand_blocks(self, w_s):
         """A step's weight words -> nb A operands [64, 32] (e4m3 or bf16) in `mma_columns` order."""
-        words = plgpu.load(w_s, layout=WORDS_LAYOUT)
+        return self.decode(plgpu.load(w_s, layout=WORDS_LAYOUT))
+
+    def decode(self, words):
+        """Words [64, 4n] in `WORDS_LAYOUT` -> n A operands [64, 32]."""
         if self.interpreting:
             return _blocks_jnp(*fp4_e4m3_words(words)) if self.fp8 else _bf16_blocks_jnp(words)
         return _register_blocks(fp4_e4m3_words(words) if self.fp8 else [fp4_pair_bits(words, c) for c in range(4)],
                                 self.fp8)
 
-    def block_dots(self, blocks, x_step):
-        """Each Linear's nb partials [64, N], fp32, of this step: one wgmma (K = 32) a block, all issued before the
-        one wait."""
-        nb = self.nb
-        xb = [x_step.at[b] for b in range(nb)]
+    def block_dots(self, blocks, x_step, first: int = 0):
+        """Each Linear's partials [64, N], fp32, of its blocks (the step's blocks first, first + 1, ...): one wgmma
+        (K = 32) a block, all issued before the one wait."""
+        nb = len(blocks[0])
+        xb = [x_step.at[first + b] for b in range(nb)]
         if self.interpreting:
             return [[jnp.dot(a.astype(jnp.float32), x[...].astype(jnp.float32).T,
                              preferred_element_type=jnp.float32) for a, x in zip(lin_blocks, xb)]
@@ -300,6 +304,8 @@ class StepMath(NamedTuple):
               else None for q in quads]
         if self.early_sums and not self.interpreting:
             return self.fold_early(accs, x_step, w_s, scales, xs)
+        if self.quad_waits:
+            return self.fold_by_quad(accs, x_step, w_s, scales, xs)
         blocks = [self.operand_blocks(w_s[j]) for j in range(self.n_lin)]
         if self.wait_per_linear:
             parts = [self.block_dots([b], x_step)[0] for b in blocks]
@@ -315,11 +321,29 @@ class StepMath(NamedTuple):
         for j in range(self.n_lin):
             acc = accs[j]
             for qq in range(self.nb // 4):
-                chunk = None
-                for i, ws in enumerate(scales[j][qq]):
-                    term = part(j, 4 * qq + i) * lax.broadcast_in_dim(ws, (ROWS, self.N), [0])
-                    chunk = term if chunk is None else chunk + term
-                acc = acc + (chunk * xs[qq] if self.fp8 else chunk)
+                acc = self.quad_sum(acc, [part(j, 4 * qq + i) for i in range(4)], scales[j][qq], xs[qq])
+            new.append(acc)
+        return tuple(new)
+
+    def quad_sum(self, acc, parts, scales, xs):
+        """acc + (Σ_i parts[i] x the rows' scale i) x the pairs' activation scale (e4m3 form), in block order."""
+        chunk = None
+        for p, ws in zip(parts, scales):
+            term = p * lax.broadcast_in_dim(ws, (ROWS, self.N), [0])
+            chunk = term if chunk is None else chunk + term
+        return acc + (chunk * xs if self.fp8 else chunk)
+
+    def fold_by_quad(self, accs, x_step, w_s, scales, xs):
+        """`fold` a quad (4 blocks, 128 columns) at a time: decode its words, its 4 wgmmas, wait, add its scaled sum.
+        Fewer registers live at once (a quad's A operands and partials, not a Linear's step) for more programs an
+        SM, at more waits a step. The same products and additions in the same order: the same bits."""
+        new = []
+        for j in range(self.n_lin):
+            words, acc = plgpu.load(w_s[j], layout=WORDS_LAYOUT), accs[j]
+            for qq in range(self.nb // 4):
+                blocks = self.decode(words[:, 16 * qq:16 * (qq + 1)])
+                parts = self.block_dots([blocks], x_step, first=4 * qq)[0]
+                acc = self.quad_sum(acc, parts, scales[j][qq], xs[qq])
             new.append(acc)
         return tuple(new)
 
@@ -346,7 +370,7 @@ class StepMath(NamedTuple):
 
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
               stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0,
-              early_sums: bool = False, pdl: bool = False, interpret=None):
+              early_sums: bool = False, pdl: bool = False, quad_waits: bool = False, interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -364,6 +388,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     pipeline (`mosaic_fp4_persistent`): the same outputs, bit for bit.
     early_sums: `StepMath.fold_early` (decode of the next Linear under this one's wgmmas, each block's scaled sum
     as soon as its wgmma is done) instead of all wgmmas waited for before any sum; GPU only (interpreted: `fold`).
+    quad_waits: `StepMath.fold_by_quad` (a step's blocks a quad at a time: fewer registers, more waits).
     pdl: launch as a programmatic dependent (Hopper PDL, `plgpu.griddepcontrol_wait` first thing in each program,
     before any input is read): the launch and the programs' set-up overlap the previous kernel's end.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
@@ -403,7 +428,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     interpreting = interp not in (None, False)
     ACC = plgpu.Layout.WGMMA
     n_lin = len(lins)
-    step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear, early_sums)
+    step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear, early_sums, quad_waits)
 
     def body(e_ref, x_ref, *rest):
         xs_ref, pw_ref, w_refs, s_refs, out_ref, (e_s, xs_s, pw_s, sc_s, o_s, bars) = kernel_refs(rest, fp8, n_lin)
@@ -505,7 +530,7 @@ def default_options(n_pairs: int, n_experts: int) -> dict:
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
              interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
-             programs: int = 0, early_sums: bool = False, pdl: bool = False):
+             programs: int = 0, early_sums: bool = False, pdl: bool = False, quad_waits: bool = False):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -518,7 +543,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
     XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
-    one program an SM, for both GEMMs). early_sums, pdl: `tile_gemm`'s, for both GEMMs."""
+    one program an SM, for both GEMMs). early_sums, pdl, quad_waits: `tile_gemm`'s, for both GEMMs."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -540,7 +565,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
-                early_sums=early_sums, pdl=pdl, interpret=interpret)
+                early_sums=early_sums, pdl=pdl, quad_waits=quad_waits, interpret=interpret)
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
 
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
