@@ -34,7 +34,8 @@ class Slots(NamedTuple):
 
 def route_slots_xla(weights, ids, n_experts: int, pairs: int, D: int, I: int, interpret=None) -> Slots:
     """`Slots` from `pallas_triton.expert_pairs` (its tile map by size) and XLA masks; the unsort by compares (a
-    scatter above `SCATTER_PAIRS`, where the compare matrix would be pairs x slots)."""
+    scatter above `SCATTER_PAIRS`, where the compare matrix would be pairs x slots; none for one token, whose pairs
+    are tiles in place)."""
     from dsjax.kernels.moe_gemm.pallas_triton import expert_pairs
 
     del interpret
@@ -51,7 +52,10 @@ def route_slots_xla(weights, ids, n_experts: int, pairs: int, D: int, I: int, in
     t_of = jnp.arange(T, dtype=jnp.int32)[:, None]
     slots = jnp.arange(T * pairs, dtype=jnp.int32)
     flat = original.reshape(-1)
-    if P <= SCATTER_PAIRS:
+    if n == 1:      # one token: pair p is tile p's only slot (`single_token_tiles`), so no compares (one kernel fewer)
+        found = tiles[:, 0] >= 0
+        slot_of = jnp.where(found, jnp.arange(P, dtype=jnp.int32) * pairs, 0)
+    elif P <= SCATTER_PAIRS:
         hit = (flat[None, :] == jnp.arange(P, dtype=jnp.int32)[:, None]) & valid.reshape(-1)[None, :]
         slot_of, found = (hit * slots[None, :]).sum(axis=1), hit.any(axis=1)
     else:
