@@ -90,15 +90,8 @@ def test_quad_waits_equal_the_step_form(test_seed, fp8, block_k, programs):
     """`quad_waits` (a step's blocks decoded, multiplied, waited for and summed a quad at a time) folds the same
     products in the same order as the whole-step form: bit for bit, both epilogues, 2 and 4 quads a step, in the
     tile grid and the persistent launch (interpreted on CPU; compiled on a GPU)."""
-    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8, experts=(-1, 2, 0, -1, 3, 1, -1))
-    opts = dict(block_k=block_k, stages=2, programs=programs, interpret=None if on_gpu else True)
-    used = np.asarray(experts) >= 0
-    for lins, extra in (([w1], {}), ([w1, w3], dict(pair_weight=pw, swiglu_limit=LIMIT))):
-        step = mosaic_fp4.tile_gemm(xt, xs, experts, lins, **opts, **extra)
-        quads = mosaic_fp4.tile_gemm(xt, xs, experts, lins, quad_waits=True, **opts, **extra)
-        a, b = (np.asarray(v, np.float32)[used] for v in (step, quads))
-        assert np.isfinite(a).all() and np.abs(a).max() > 0
-        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
+    _assert_tile_gemm_forms_equal(test_seed, fp8, dict(block_k=block_k, stages=2, programs=programs),
+                                  dict(quad_waits=True))
 
 
 @pytest.mark.parametrize("fp8,k_splits,programs,stages", [
@@ -110,13 +103,20 @@ def test_persistent_launch_equals_tile_grid(test_seed, fp8, k_splits, programs, 
     and last; one program running every unit (its accumulators reset, its side operands double-buffered across
     units of different tiles and experts), programs with one unit, more programs than units (some idle), K split
     (fp32 partials), both epilogues."""
-    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8, experts=(-1, 2, 0, -1, 3, 1, -1))
-    opts = dict(block_k=256, stages=stages, k_splits=k_splits, interpret=None if on_gpu else True)
+    _assert_tile_gemm_forms_equal(test_seed, fp8, dict(block_k=256, stages=stages, k_splits=k_splits),
+                                  dict(programs=programs))
+
+
+def _assert_tile_gemm_forms_equal(seed, fp8, opts, variant):
+    """`tile_gemm` with `opts` and with `opts` + `variant`, bit for bit on every used tile, both epilogues; unused
+    tiles (-1) first, between and last."""
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(seed, fp8, experts=(-1, 2, 0, -1, 3, 1, -1))
+    opts = dict(opts, interpret=None if on_gpu else True)
     used = np.asarray(experts) >= 0
     for lins, extra in (([w1], {}), ([w1, w3], dict(pair_weight=pw, swiglu_limit=LIMIT))):
-        grid = mosaic_fp4.tile_gemm(xt, xs, experts, lins, **opts, **extra)
-        persistent = mosaic_fp4.tile_gemm(xt, xs, experts, lins, programs=programs, **opts, **extra)
-        a, b = (np.asarray(v, np.float32)[used] for v in (grid, persistent))
+        base = mosaic_fp4.tile_gemm(xt, xs, experts, lins, **opts, **extra)
+        other = mosaic_fp4.tile_gemm(xt, xs, experts, lins, **opts, **variant, **extra)
+        a, b = (np.asarray(v, np.float32)[used] for v in (base, other))
         assert np.isfinite(a).all() and np.abs(a).max() > 0
         np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
 
