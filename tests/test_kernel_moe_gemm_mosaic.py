@@ -131,14 +131,15 @@ def test_used_tiles_lists_used_tiles_first_with_their_count():
 
 
 @pytest.mark.parametrize("K", [4096, 2048, 5120, 2304])      # V4-Flash's and V4.1-Flash's up and down contractions
-def test_persistent_side_buffers_start_on_128_bytes(K):
+def test_side_buffers_start_on_128_bytes(K):
     """Each unit's side operands land by tensor-map copy (`cp.async.bulk.tensor` in the PTX; its shared-memory
     destination must start on 128 bytes) in the part of a two-unit buffer its parity picks. The first version, whose
     8 pair weights a unit put the second part 32 bytes in, stopped on an H100 with a misaligned address, which
     interpret mode cannot see; with every part on 128 bytes (`mosaic_fp4_persistent.aligned`) it runs, clean under
     compute-sanitizer. This keeps that for every K of V4-Flash and V4.1-Flash (18 x-scale rows at V4.1's 2304) and
-    tile width."""
-    from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import side_buffers
+    tile width; and for the tile grid, whose one side buffer holds the x scales' rows, then the pair weights' row
+    (`aligned` rows in: one KB of shared memory less a program than two buffers, each of whole KB)."""
+    from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import aligned, side_buffers
 
     Q = K // mosaic_fp4.QUAD
     for N in (8, 16, 32):
@@ -147,6 +148,8 @@ def test_persistent_side_buffers_start_on_128_bytes(K):
             for (shape, dtype), copied in zip(buffers, [Q * N * 4 if fp8 else 0, N * 4, 4 * Q * 16 * 4]):
                 part = int(np.prod(shape[1:])) * jnp.dtype(dtype).itemsize   # one copy's part: its stride, bytes
                 assert part % 128 == 0 and part >= copied, (shape, N, fp8)
+            rows = aligned(Q if fp8 else 1, N)                              # the tile grid's pair-weight row
+            assert rows * N * 4 % 128 == 0 and rows >= (Q if fp8 else 1), (N, fp8)
 
 
 def test_scale_bytes_decode_as_e8m0():

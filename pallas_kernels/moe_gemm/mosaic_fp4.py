@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsjax.kernels.common import (check_offsets, fp4_code_to_f32, fp4_e4m3_words, fp4_pair_bits,
                                   fp4_words, gpu_interpret, round_bf)
-from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import persistent_kernel, used_tiles
+from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import aligned, persistent_kernel, used_tiles
 from dsjax.layers import moe as _moe
 
 ROWS = 64           # weight rows a program: wgmma's M
@@ -429,9 +429,14 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     ACC = plgpu.Layout.WGMMA
     n_lin = len(lins)
     step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear, early_sums, quad_waits)
+    # the pairs' x scales (e4m3 codes) and weights share one buffer, the weights' row on 128 bytes (a tensor-map
+    # copy's destination must start there): each scratch buffer takes whole KB (Mosaic aligns them to 1,024 bytes),
+    # and the one KB this saves lets four up programs share an SM when their registers allow (`quad_waits`)
+    side_rows = aligned(Q if fp8 else 1, N)
 
     def body(e_ref, x_ref, *rest):
-        xs_ref, pw_ref, w_refs, s_refs, out_ref, (e_s, xs_s, pw_s, sc_s, o_s, bars) = kernel_refs(rest, fp8, n_lin)
+        xs_ref, pw_ref, w_refs, s_refs, out_ref, (e_s, side_s, sc_s, o_s, bars) = kernel_refs(rest, fp8, n_lin)
+        xs_s, pw_s = side_s, side_s.at[side_rows]
         if pdl and not interpreting:
             plgpu.griddepcontrol_wait()         # the inputs are the previous kernel's outputs: nothing read before
         t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
@@ -444,7 +449,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         def _tile():
             # the program's side operands, waited for in the first step: the pipeline's first weight and
             # activation loads go out at once, not after a round trip
-            copies = ([(xs_ref.at[t], xs_s)] if fp8 else []) + [(pw_ref.at[t], pw_s)] + [
+            copies = ([(xs_ref.at[t], xs_s.at[pl.ds(0, Q)])] if fp8 else []) + [(pw_ref.at[t], pw_s)] + [
                 (s_refs[j].at[e * (n_out // ROWS) + r], sc_s.at[j]) for j in range(n_lin)]
             for i, (src, dst) in enumerate(copies):         # a barrier each: one arrival per copy
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + i])
@@ -484,8 +489,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
             scratch_types=[
                 plgpu.SMEM((4,), jnp.int32),                                        # the tile's expert
-                plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),                      # their scales (e4m3 codes)
-                plgpu.SMEM((N,), jnp.float32),                                      # pair weights
+                plgpu.SMEM((side_rows + 1, N), jnp.float32),                        # x scales, pair weights
                 plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32),                         # the rows' weight scales
                 (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else        # the output tile: partials
                  plgpu.SMEM((ROWS, N), jnp.bfloat16)),                              # or the epilogue's
