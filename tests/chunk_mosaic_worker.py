@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from interpret_races import INTERPRET, races_found  # noqa: E402
-from test_kernel_chunk_attention import _case, _run  # noqa: E402
+from test_kernel_chunk_attention import _case, _run, _run_compiled  # noqa: E402
 
 # (hca, compact rows, stages, chunk length, exchange buffers, next tile's Q·Kᵀ overlapped, heads, row 1's start):
 # 64-key tiles (wgmma's K group for P·V); programs that walk more key blocks than there are stages make the producer
@@ -42,7 +42,7 @@ def main(seed: int) -> list[dict]:
         got = np.asarray(_run(case, hca, "pallas", backend="mosaic", stages=stages, exchange_buffers=buffers,
                               overlap_qk=overlap, interpret=interpret), np.float32)
         races = races_found() if interpret else False
-        want = np.asarray(_run(case, hca, "reference"), np.float32)
+        want = np.asarray(_run_compiled(case, hca, "reference"), np.float32)
         name = (f"{'hca' if hca else 'csa'}-{'fp8rows' if compact else 'bf16'}-st{stages}-T{T}-x{buffers}"
                 f"{'-overlap' if overlap else ''}-H{H}-from{start1}")
         out.append(dict(case=name,

@@ -4,6 +4,7 @@ on CPU: outputs start as NaN, so anything unwritten shows) equal the reference o
 visits only the key blocks its rows can see; both Pallas kernels lower for CUDA at V4 shapes (the Mosaic GPU
 kernel's interpret-mode tests: test_kernel_chunk_attention_mosaic.py)."""
 
+import functools
 import types
 
 import jax
@@ -32,10 +33,16 @@ def _values(key, shape):
 def _case(seed, H, compact, T=24, B=2, picks=False, starts=(3, 37)):
     """Row 0 starts at 3 (part of its window unwritten, early queries see no entry), row 1 at 37 (or `starts`:
     from 256 on, a kernel's first tile of 64 entries is visible to every query)."""
-    ks = jax.random.split(jax.random.key(seed), 6)
+    return _case_arrays(jax.random.key(seed), H, compact, T, B, picks, tuple(starts))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _case_arrays(key, H, compact, T, B, picks, starts):
+    """_case as one compiled program (op by op, its random draws and FP8 packing cost seconds a case on CPU)."""
+    ks = jax.random.split(key, 6)
     start = jnp.array(starts[:B], jnp.int32)
     q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    N = int((start.max() + T) // RATIO)
+    N = (max(starts[:B]) + T) // RATIO
     q = jax.random.normal(ks[0], (B, T, H, FMT.dim), jnp.float32).astype(jnp.bfloat16)
     sink = jax.random.normal(ks[1], (H,), jnp.float32)
     ring, chunk, entries = _values(ks[2], (B, W, FMT.dim)), _values(ks[3], (B, T, FMT.dim)), _values(ks[4], (B, N, FMT.dim))
@@ -72,11 +79,16 @@ def _run(case, hca, implementation, **opts):
                            implementation=implementation, **opts)
 
 
+def _run_compiled(case, hca, implementation, **opts):
+    """_run as one program, as the model calls it (op by op, the reference alone costs seconds on CPU)."""
+    return jax.jit(lambda c: _run(c, hca, implementation, **opts))(case)
+
+
 @pytest.mark.parametrize("hca", [True, False], ids=["hca", "csa"])
 def test_reference_is_the_models_key_lists(test_seed, hca):
     case = _case(test_seed, 4, False, picks=not hca)
-    got = np.asarray(_run(case, hca, "reference"), np.float32)
-    want = np.asarray(_lists(*case, hca=hca), np.float32)
+    got = np.asarray(_run_compiled(case, hca, "reference"), np.float32)
+    want = np.asarray(jax.jit(lambda c: _lists(*c, hca=hca))(case), np.float32)
     # the same keys in a different order: the fp32 sums differ in order only; the outputs are bf16 (2^-8 relative)
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -7 * float(np.max(np.abs(want))))
 
@@ -87,8 +99,8 @@ def test_reference_is_the_models_key_lists(test_seed, hca):
 def test_matches_reference(test_seed, implementation, hca, compact):
     case = _case(test_seed + 7, 4, compact, picks=not hca)
     opts = dict(block_q=16, block_k=16, interpret=True) if implementation == "pallas" else {}
-    got = np.asarray(_run(case, hca, implementation, **opts), np.float32)
-    want = np.asarray(_run(case, hca, "reference"), np.float32)
+    got = np.asarray(_run_compiled(case, hca, implementation, **opts), np.float32)
+    want = np.asarray(_run_compiled(case, hca, "reference"), np.float32)
     # flash partials round p to bf16 against the running max, not the final one (≤ 2^-9 relative each), and the
     # bf16 output can then land one ulp (2^-7) apart: 2^-6 of the largest |output| covers both (as sparse_mqa)
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * float(np.max(np.abs(want))))
