@@ -94,6 +94,30 @@ def test_quad_waits_equal_the_step_form(test_seed, fp8, block_k, programs):
                                   dict(quad_waits=True))
 
 
+@pytest.mark.parametrize("fp8,block_k,k_splits,quads", [(True, 256, 1, True), (True, 256, 2, False),
+                                                         (False, 512, 1, False)],
+                         ids=["e4m3-2steps-a-block-quads", "e4m3-split2-mid-block", "bf16-1step-a-block"])
+def test_streamed_scales_equal_whole_k_scales(test_seed, fp8, block_k, k_splits, quads):
+    """`stream_scales` (the rows' block scales streamed beside the weights, a block of 4 words a step or two) feeds
+    each quad the same scale words as the whole-K buffer: bit for bit, both epilogues, a block shared by two steps
+    (256 columns a step) or one a step (512), K split (the second split starting mid-block), with `quad_waits`."""
+    _assert_tile_gemm_forms_equal(test_seed, fp8, dict(block_k=block_k, stages=2, k_splits=k_splits,
+                                                       quad_waits=quads), dict(stream_scales=True))
+
+
+def test_streamed_scales_refuse_what_they_cannot_stream():
+    """V4.1-Flash's down contraction (2304 / 128 = 18 scale words a row: not 16-byte rows) and the persistent
+    launch keep the whole-K buffer; asked to stream there, `tile_gemm` says so."""
+    assert mosaic_fp4.streams_scales(4096, 256) and mosaic_fp4.streams_scales(5120, 512)
+    assert not mosaic_fp4.streams_scales(2304, 256) and not mosaic_fp4.streams_scales(768, 768)
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(0, True)
+    with pytest.raises(ValueError, match="tile grid options"):
+        mosaic_fp4.tile_gemm(xt, xs, experts, [w1], programs=2, stream_scales=True, interpret=True)
+    with pytest.raises(ValueError, match="stream_scales needs K"):
+        mosaic_fp4.tile_gemm(xt[:, :8], xs[:, :2], experts, [w1], block_k=256, stream_scales=True,
+                             interpret=True)
+
+
 @pytest.mark.parametrize("fp8,k_splits,programs,stages", [
     (True, 1, 3, 2), (True, 2, 1, 3), (True, 1, 64, 2), (False, 2, 4, 2)],
     ids=["e4m3-3prog", "e4m3-split2-1prog", "e4m3-64prog", "bf16-split2-4prog"])
@@ -256,7 +280,8 @@ def test_default_tile_width_follows_an_experts_mean_share():
     (384, 5120, 2304, 6, False, 1, None, False, 0), (256, 4096, 2048, 1, False, 2, None, False, 0),
     (256, 4096, 2048, 1024, True, 1, 32, False, 0), (256, 4096, 2048, 1024, False, 1, 64, False, 0),
     (256, 4096, 2048, 8, True, 1, None, True, 0), (256, 4096, 2048, 8, True, 1, None, False, 132),
-    (384, 5120, 2304, 6, False, 2, None, False, 132)])
+    (384, 5120, 2304, 6, False, 2, None, False, 132), (256, 4096, 2048, 8, True, 1, None, False, "stream"),
+    (384, 5120, 2304, 6, True, 1, None, False, "stream")])
 def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, programs):
     """V4-Flash (decode, 8 tokens; prefill, 1,024) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering,
     including the `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns;
@@ -264,9 +289,11 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
     wide tiles (32 and 64 pairs: wgmma's N); the slots from `route_slots` (a third Triton launch); the persistent
     launch (132 programs, 4 stages); each block's sum as soon as its wgmma is done and the launch as a
     programmatic dependent ("early+pdl": `wgmma_accumulator_load` with wait_n, `griddepcontrol.wait`); a step a
-    quad at a time ("quads": the words sliced in registers, a quad decoded and multiplied at a time)."""
+    quad at a time ("quads": the words sliced in registers, a quad decoded and multiplied at a time); with the
+    scales streamed ("stream": V4.1's down GEMM, 18 words a row, keeps its whole-K buffer)."""
     S = jax.ShapeDtypeStruct
-    early, quads = programs == "early+pdl", programs == "quads"
+    early, stream = programs == "early+pdl", programs == "stream"
+    quads = programs in ("quads", "stream")
     programs = 0 if early or quads else programs
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
     f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
@@ -275,7 +302,8 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
                                             fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs,
                                             mosaic_route_kernel=route, mosaic_programs=programs,
                                             mosaic_stages=4 if programs else None, mosaic_early_sums=early,
-                                            mosaic_pdl=early, mosaic_quad_waits=quads)
+                                            mosaic_pdl=early, mosaic_quad_waits=quads,
+                                            mosaic_stream_scales=stream)
     text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
     assert text.count("mosaic_gpu") >= 2
@@ -312,17 +340,18 @@ def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pair
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,early,pdl,quads", [(1, True, False, False), (8, True, False, False),
-                                               (40, True, True, False), (1, False, True, False),
-                                               (8, True, True, False), (1, False, False, True),
-                                               (8, False, False, True)])
-def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, quads, act_quant_sim):
-    """`fold_early` and `fold_by_quad` do the same fp32 products and sums in the same order as `fold`, and the
-    programmatic launch only moves when the programs start: each must leave the op's output unchanged, bit for
-    bit."""
+@pytest.mark.parametrize("n,early,pdl,quads,stream", [
+    (1, True, False, False, False), (8, True, False, False, False), (40, True, True, False, False),
+    (1, False, True, False, False), (8, True, True, False, False), (1, False, False, True, False),
+    (8, False, False, True, False), (1, False, False, True, True), (8, False, False, True, True),
+    (40, False, False, False, True)])
+def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, quads, stream, act_quant_sim):
+    """`fold_early` and `fold_by_quad` do the same fp32 products and sums in the same order as `fold`, streamed
+    scales are the same words, and the programmatic launch only moves when the programs start: each must leave the
+    op's output unchanged, bit for bit."""
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                           act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
                                           interpret=False, fp4_kernel="mosaic", **o))
-    got = run(mosaic_early_sums=early, mosaic_pdl=pdl, mosaic_quad_waits=quads)
+    got = run(mosaic_early_sums=early, mosaic_pdl=pdl, mosaic_quad_waits=quads, mosaic_stream_scales=stream)
     np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))

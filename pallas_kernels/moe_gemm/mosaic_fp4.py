@@ -130,20 +130,21 @@ def _bf16_blocks_jnp(words):
 
 
 def _scale_column_jnp(sc_s, j, q):
-    return sc_s[j].reshape(ROWS, -1)[:, q]
+    return sc_s[...][:, q] if j is None else sc_s[j].reshape(ROWS, -1)[:, q]
 
 
 def _scale_column_mgpu(sc_s, j, q):
-    """Column q of scale set j's row scales (sc_s[j]: the 64 rows x Q words, flat as [4Q, 16]; a word holds 4 block
-    scales; j and q may be traced) as u32 [64] in the accumulator's row layout: each thread loads the words of its
-    two rows (a strided column: Mosaic's layout inference takes no swizzle-free strided view, so the two loads are
-    written out)."""
+    """Column q of the row scales as u32 [64] in the accumulator's row layout (a word holds 4 block scales): of
+    scale set j (sc_s[j]: the 64 rows x Q words, flat as [4Q, 16]; j and q may be traced), or with j None of a
+    streamed step's [64, words] (`stream_scales`). Each thread loads the words of its two rows (a strided column:
+    Mosaic's layout inference takes no swizzle-free strided view, so the two loads are written out)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, gpu, memref, vector
 
     row = plgpu.Layout.WGMMA.reduce(1)
-    traced = [plgpu.layout_cast(jnp.full((ROWS,), v, jnp.int32), row) for v in ((q,) if isinstance(j, int) else (q, j))]
+    traced = [plgpu.layout_cast(jnp.full((ROWS,), v, jnp.int32), row)
+              for v in ((q,) if j is None or isinstance(j, int) else (q, j))]
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) + (row,) * len(traced),
                        return_type=plgpu.ShapeDtypeStruct((ROWS,), jnp.uint32, layout=row))
@@ -152,15 +153,20 @@ def _scale_column_mgpu(sc_s, j, q):
         c = lambda v: arith.constant(index, v)  # noqa: E731
         scalar = lambda v: arith.index_cast(index, vector.extract(  # noqa: E731
             v.registers.flat[0], dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0])))
-        col, lead = scalar(qv), c(j) if jv is None else scalar(jv)     # a static set stays a constant index
-        per_row = c(ir.MemRefType(ref.type).shape[1] // 4)         # Q words a row (the rows flat as [4Q, 16])
+        col = scalar(qv)
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
         base = arith.addi(arith.muli(arith.divui(tid, c(32)), c(16)), arith.divui(arith.remui(tid, c(32)), c(4)))
         layout = mgpu.WGMMA_ROW_LAYOUT
         regs = np.empty(layout.registers_shape((ROWS,)), dtype=object)     # (1, 1, 2, 1, 1): row half
         for h in range(2):
-            at = arith.addi(arith.muli(arith.addi(base, c(8 * h)), per_row), col)
-            word = memref.load(ref, [lead, arith.divui(at, c(16)), arith.remui(at, c(16))])
+            at_row = arith.addi(base, c(8 * h))
+            if j is None:                                           # a streamed step's [64, words]
+                word = memref.load(ref, [at_row, col])
+            else:
+                lead = c(j) if jv is None else scalar(jv)            # a static set stays a constant index
+                per_row = c(ir.MemRefType(ref.type).shape[1] // 4)  # Q words a row (the rows flat as [4Q, 16])
+                at = arith.addi(arith.muli(at_row, per_row), col)
+                word = memref.load(ref, [lead, arith.divui(at, c(16)), arith.remui(at, c(16))])
             regs[0, 0, h, 0, 0] = vector.broadcast(ir.VectorType.get((1,), i32), word)
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=False)
 
@@ -176,6 +182,26 @@ def scale_byte_f32(u):
 def expert_rows(experts):
     """int32 [T] tile experts -> [T, 4]: one 16-byte row a tile (TMA copies whole 16-byte rows), expert first."""
     return jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))
+
+
+def scale_block_words(block_k: int) -> int:
+    """Scale words (4 block scales each, 128 columns) a streamed block holds: whole steps' words and whole 16-byte
+    rows (a tensor-map box's row): 4 (two steps) at 256 columns a step."""
+    return int(np.lcm(block_k // QUAD, 4))
+
+
+def streams_scales(K: int, block_k: int) -> bool:
+    """Whether a contraction of K can stream its rows' scales (`tile_gemm`'s stream_scales): whole blocks of
+    `scale_block_words` (so also 16-byte rows of the [rows, K / 128] words: not V4.1's 2304 / 128 = 18)."""
+    return (K // QUAD) % scale_block_words(block_k) == 0
+
+
+def scales_spec(block_k: int, row_block, first_step):
+    """The pipeline's BlockSpec of one Linear's row scales, streamed: words [64 rows, `scale_block_words`] of the
+    [E x n_out, K / 128] words, 64-row block `row_block(k)` (the expert's), the block holding step
+    first_step + k's words (fetched again for each step that shares it: 1 KB)."""
+    SW, per_step = scale_block_words(block_k), block_k // QUAD
+    return plgpu.BlockSpec((ROWS, SW), lambda k: (row_block(k), (first_step + k) * per_step // SW))
 
 
 def weight_spec(W: int, expert, row_block, first_step):
@@ -281,25 +307,30 @@ class StepMath(NamedTuple):
         flat = pl.run_scoped(dots, *[plgpu.ACC((ROWS, self.N), jnp.float32)] * (len(blocks) * nb))
         return [flat[j * nb:(j + 1) * nb] for j in range(len(blocks))]
 
-    def row_scales(self, sc_s, j, q):
-        """Scale set j's 4 block scales of quad q per row, fp32 [64] each: 2^(e - 127), as `e8m0_to_f32` decodes
-        them (byte 0 the subnormal 2^-127) by a shift and an unsigned max (0x400000 is 2^-127's bits; every other
-        byte's shifted bits are larger), not a compare and select — per weight scale, the most frequent
+    def scale_column(self, ref, j, q):
+        """Quad q's scale words of the 64 rows, u32 [64]: of set j of a whole-K buffer (ref [sets, 4Q, 16]), or with
+        j None of a streamed step's [64, words] (q its column there)."""
+        return (_scale_column_jnp if self.interpreting else _scale_column_mgpu)(ref, j, q)
+
+    def row_scales(self, words):
+        """A quad's scale words of the 64 rows (u32 [64]) -> its 4 block scales per row, fp32 [64] each:
+        2^(e - 127), as `e8m0_to_f32` decodes them (byte 0 the subnormal 2^-127) by a shift and an unsigned max
+        (0x400000 is 2^-127's bits; every other byte's shifted bits are larger), not a compare and select — per
+        weight scale, the most frequent
         non-decode work of a step. The e4m3 form's 2^6 `unscale` is applied to the pairs' activation scales
         instead (`fold`: once a quad, not once a block and row); the bf16 form's 2^126 stays here, where it keeps
         the block's partial times its scale in the normal range."""
-        words = (_scale_column_jnp if self.interpreting else _scale_column_mgpu)(sc_s, j, q)
         scales = [scale_byte_f32((words >> (8 * i)) & 0xFF) for i in range(4)]
         return scales if self.fp8 else [s * self.unscale for s in scales]
 
-    def fold(self, accs, k, x_step, w_s, sc_s, sc_first, xs_s):
+    def fold(self, accs, k, x_step, w_s, scale_words, xs_s):
         """accs (each Linear's fp32 [64, N]) plus step k's products. x_step: the step's pair rows [nb, N, 32];
-        w_s: each Linear's step words; sc_s[sc_first + j]: Linear j's row scales; xs_s: [Q, N] the pairs'
-        activation scales (e4m3 codes; unused for bf16)."""
+        w_s: each Linear's step words; scale_words(j, q): Linear j's scale words of quad q (of all K) for the 64
+        rows (`scale_column`); xs_s: [Q, N] the pairs' activation scales (e4m3 codes; unused for bf16)."""
         nb, N = self.nb, self.N
         COL = plgpu.Layout.WGMMA.reduce(0)
         quads = [k * (nb // 4) + qq for qq in range(nb // 4)]
-        scales = [[self.row_scales(sc_s, sc_first + j, q) for q in quads] for j in range(self.n_lin)]
+        scales = [[self.row_scales(scale_words(j, q)) for q in quads] for j in range(self.n_lin)]
         xs = [lax.broadcast_in_dim(plgpu.load(xs_s.at[q], layout=COL) * self.unscale, (ROWS, N), [1]) if self.fp8
               else None for q in quads]
         if self.early_sums and not self.interpreting:
@@ -370,7 +401,8 @@ class StepMath(NamedTuple):
 
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
               stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0,
-              early_sums: bool = False, pdl: bool = False, quad_waits: bool = False, interpret=None):
+              early_sums: bool = False, pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False,
+              interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -389,6 +421,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     early_sums: `StepMath.fold_early` (decode of the next Linear under this one's wgmmas, each block's scaled sum
     as soon as its wgmma is done) instead of all wgmmas waited for before any sum; GPU only (interpreted: `fold`).
     quad_waits: `StepMath.fold_by_quad` (a step's blocks a quad at a time: fewer registers, more waits).
+    stream_scales: the rows' block scales streamed beside the weights (`scales_spec`: 64 rows x 4 words every one
+    or two steps) instead of loaded for all of K up front (8 KB a Linear at K = 4096): less shared memory a
+    program, for more programs an SM. Tile grid only; K / 128 a multiple of 4 (16-byte rows of scale words).
     pdl: launch as a programmatic dependent (Hopper PDL, `plgpu.griddepcontrol_wait` first thing in each program,
     before any input is read): the launch and the programs' set-up overlap the previous kernel's end.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
@@ -412,17 +447,21 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                          f"{block_k} columns")
     if programs < 0:
         raise ValueError(f"moe_gemm mosaic_fp4: programs must be 0 (a program a unit) or more, got {programs}")
-    if pdl and programs:
-        raise ValueError("moe_gemm mosaic_fp4: pdl is a tile grid option (programs=0)")
+    if (pdl or stream_scales) and programs:
+        raise ValueError("moe_gemm mosaic_fp4: pdl and stream_scales are tile grid options (programs=0)")
+    if stream_scales and not streams_scales(K, block_k):
+        raise ValueError(f"moe_gemm mosaic_fp4: stream_scales needs K / {QUAD} a multiple of the "
+                         f"{scale_block_words(block_k)} scale words a streamed block holds, got K {K}")
     if two and (pair_weight is None or swiglu_limit is None):
         raise ValueError("moe_gemm mosaic_fp4: gate/up needs pair_weight and swiglu_limit")
-    W, nb, Q = block_k // 8, block_k // BLOCK, K // QUAD
+    W, nb, Q, SW = block_k // 8, block_k // BLOCK, K // QUAD, scale_block_words(block_k)
     row_bytes = BLOCK * x_tiles.dtype.itemsize                      # a pair row's 32-column block
     steps = K // block_k // k_splits                                # pipeline steps a program
     words = [fp4_words(l.weight) for l in lins]                     # [E, n_out, K / 8] u32: 8 codes a word
     # ue8m0 bytes -> u32 words of 4 blocks; a program's 64 rows are contiguous: [E * n_out / 64, 4Q, 16] (rows of
     # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
-    scales = [fp4_words(l.scale).reshape(E * n_out // ROWS, 4 * Q, 16) for l in lins]
+    scales = [fp4_words(l.scale).reshape((E * n_out, Q) if stream_scales else (E * n_out // ROWS, 4 * Q, 16))
+              for l in lins]
     pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
     interpreting = interp not in (None, False)
@@ -435,7 +474,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     side_rows = aligned(Q if fp8 else 1, N)
 
     def body(e_ref, x_ref, *rest):
-        xs_ref, pw_ref, w_refs, s_refs, out_ref, (e_s, side_s, sc_s, o_s, bars) = kernel_refs(rest, fp8, n_lin)
+        xs_ref, pw_ref, w_refs, s_refs, out_ref, scratch = kernel_refs(rest, fp8, n_lin)
+        (e_s, side_s, o_s, bars), sc_s = ((scratch, None) if stream_scales else
+                                          (scratch[:2] + scratch[3:], scratch[2]))
         xs_s, pw_s = side_s, side_s.at[side_rows]
         if pdl and not interpreting:
             plgpu.griddepcontrol_wait()         # the inputs are the previous kernel's outputs: nothing read before
@@ -449,8 +490,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         def _tile():
             # the program's side operands, waited for in the first step: the pipeline's first weight and
             # activation loads go out at once, not after a round trip
-            copies = ([(xs_ref.at[t], xs_s.at[pl.ds(0, Q)])] if fp8 else []) + [(pw_ref.at[t], pw_s)] + [
-                (s_refs[j].at[e * (n_out // ROWS) + r], sc_s.at[j]) for j in range(n_lin)]
+            copies = ([(xs_ref.at[t], xs_s.at[pl.ds(0, Q)])] if fp8 else []) + [(pw_ref.at[t], pw_s)] + (
+                [] if stream_scales else [(s_refs[j].at[e * (n_out // ROWS) + r], sc_s.at[j]) for j in range(n_lin)])
             for i, (src, dst) in enumerate(copies):         # a barrier each: one arrival per copy
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + i])
 
@@ -461,16 +502,24 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                         plgpu.barrier_wait(bars.at[1 + i])
 
                 k = idx[0] + split * steps                 # the step's place in all of K
-                x_step, w_s, accs = refs_and_carry[0], refs_and_carry[1:1 + n_lin], refs_and_carry[1 + n_lin]
-                return step_math.fold(accs, k, x_step, w_s, sc_s, 0, xs_s)
+                x_step, w_s, accs = refs_and_carry[0], refs_and_carry[1:1 + n_lin], refs_and_carry[-1]
+                if stream_scales:
+                    sc_step = refs_and_carry[1 + n_lin:1 + 2 * n_lin]
+                    words = lambda j, q: step_math.scale_column(sc_step[j], None, q % SW)  # noqa: E731
+                else:
+                    words = lambda j, q: step_math.scale_column(sc_s, j, q)  # noqa: E731
+                return step_math.fold(accs, k, x_step, w_s, words, xs_s)
 
             spec = weight_spec(W, e, r, split * steps)
             # the pair rows stream beside the weights (nb blocks a step): loaded whole up front they were the
             # largest buffer (64 KB at K = 4096 in bf16), waited for before the first weight load
             x_spec = pair_rows_spec(nb, N, row_bytes, lambda k: (t, split * steps + k, 0, 0))
             zeros = tuple(plgpu.layout_cast(jnp.zeros((ROWS, N), jnp.float32), ACC) for _ in range(n_lin))
-            accs = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec] + [spec] * n_lin,
-                                       max_concurrent_steps=stages, init_carry=zeros)(x_ref, *w_refs)
+            streamed = [scales_spec(block_k, lambda k: e * (n_out // ROWS) + r, split * steps)] * n_lin \
+                if stream_scales else []
+            accs = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec] + [spec] * n_lin + streamed,
+                                       max_concurrent_steps=stages, init_carry=zeros)(
+                                           x_ref, *w_refs, *(s_refs if stream_scales else []))
             store_unit(accs, o_s, out_ref, pw_s, t=t, rows=rows, split=split, split_out=k_splits > 1,
                        swiglu_limit=swiglu_limit)
             plgpu.wait_smem_to_gmem(0)
@@ -490,10 +539,10 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             scratch_types=[
                 plgpu.SMEM((4,), jnp.int32),                                        # the tile's expert
                 plgpu.SMEM((side_rows + 1, N), jnp.float32),                        # x scales, pair weights
-                plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32),                         # the rows' weight scales
+                *([] if stream_scales else [plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32)]),  # rows' weight scales
                 (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else        # the output tile: partials
                  plgpu.SMEM((ROWS, N), jnp.bfloat16)),                              # or the epilogue's
-                plgpu.Barrier(num_barriers=2 + fp8 + n_lin),
+                plgpu.Barrier(num_barriers=2 + fp8 + (0 if stream_scales else n_lin)),
             ],
             interpret=interp)
         head = expert_rows(experts)
@@ -534,7 +583,8 @@ def default_options(n_pairs: int, n_experts: int) -> dict:
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
              interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
-             programs: int = 0, early_sums: bool = False, pdl: bool = False, quad_waits: bool = False):
+             programs: int = 0, early_sums: bool = False, pdl: bool = False, quad_waits: bool = False,
+             stream_scales: bool = False):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -547,7 +597,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
     XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
-    one program an SM, for both GEMMs). early_sums, pdl, quad_waits: `tile_gemm`'s, for both GEMMs."""
+    one program an SM, for both GEMMs). early_sums, pdl, quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales
+    too, for each GEMM whose contraction can (`streams_scales`; the tile grid only)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -571,11 +622,12 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
                 early_sums=early_sums, pdl=pdl, quad_waits=quad_waits, interpret=interpret)
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
+    stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
-                  k_splits=splits(D), **opts)                                        # [T, I, N]
+                  k_splits=splits(D), stream_scales=stream(D), **opts)               # [T, I, N]
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I)                             # h's columns as stored
-    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I), **opts)              # [T, D, N]
+    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I), stream_scales=stream(I), **opts)  # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)

@@ -144,7 +144,8 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
 
             _, t, r, s = unit(lu)
             accs = tuple(_keep_unless(kk == 0, a) for a in accs)
-            new = step_math.fold(accs, s * S + kk, x_step, w_s, sc_s, buf * n_lin, xs_s.at[buf])
+            new = step_math.fold(accs, s * S + kk, x_step, w_s,
+                                 lambda j, q: step_math.scale_column(sc_s, buf * n_lin + j, q), xs_s.at[buf])
 
             @pl.when(kk == S - 1)
             def _unit_end():
