@@ -2,7 +2,7 @@
 a gRPC client that finds the service by reflection, 16 concurrent streams against offline greedy output,
 cancellation and deadlines freeing slots, and bad input answered with the right status while serving goes on.
 
-One server for the module (one model load, one warm-up). numerics="transformers" is batch-invariant, so a
+One server for the module (one model load, one warm-up; tiny-v4 cut to 3 layers). numerics="transformers" is batch-invariant, so a
 request's tokens cannot depend on its slot, its neighbours or how its prompt was chunked: served greedy output
 must equal `Model.generate` exactly. The offline runs use the server's decode shapes (4 slots, 16 steps per
 dispatch, 5 top logprobs; the server's loop also carries penalties, so the two compile separately); 16 streams
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import dsjax
+from dsjax.params import init_params
 from dsjax.serving.config import ServeConfig
 from dsjax.serving.server import ServerThread, build
 
@@ -27,10 +28,15 @@ KEY = "test-key-0123456789"
 SLOTS, STEPS, MAX_LEN, TOP, NEW = 4, 16, 128, 5, 8
 
 
+# tiny-v4 cut to one layer of each kind (window + hash routing, CSA, HCA) and the MTP layer, with its real vocabulary
+# (the tokenizer's): nothing here depends on depth, which only added compile time to the warm-up and offline runs
+SMALL = dict(n_layers=3, compress_ratios=(0, 4, 16, 0), n_hash_layers=1)
+
+
 @pytest.fixture(scope="module")
 def served():
-    model = dsjax.load("tiny-v4", numerics="transformers", max_seq_len=MAX_LEN, max_batch=SLOTS,
-                       compilation_cache=None)
+    cfg = dsjax.preset("tiny-v4", **SMALL).with_numerics("transformers")
+    model = dsjax.Model(cfg, init_params(cfg, 0), source="test", max_seq_len=MAX_LEN, max_batch=SLOTS)
     cfg = ServeConfig(model="tiny-v4", numerics="transformers", max_num_seqs=SLOTS, max_model_len=MAX_LEN, port=0,
                       grpc_port=0, api_key=KEY, prefill_chunk=32, steps_per_dispatch=STEPS, max_logprobs=TOP,
                       max_request_bytes=64 << 10, compilation_cache="none")
