@@ -2,11 +2,11 @@
 a gRPC client that finds the service by reflection, 16 concurrent streams against offline greedy output,
 cancellation and deadlines freeing slots, and bad input answered with the right status while serving goes on.
 
-One server for the module (one model load, one warm-up; tiny-v4 cut to 3 layers). numerics="transformers" is batch-invariant, so a
-request's tokens cannot depend on its slot, its neighbours or how its prompt was chunked: served greedy output
-must equal `Model.generate` exactly. The offline runs use the server's decode shapes (4 slots, 16 steps per
-dispatch, 5 top logprobs; the server's loop also carries penalties, so the two compile separately); 16 streams
-over 4 slots also exercise the queue and requests joining a running batch.
+One server for the module (one model load, one warm-up; tiny-v4 cut to 3 layers). numerics="transformers" is
+batch-invariant, so a request's tokens cannot depend on its slot, its neighbours or how its prompt was chunked:
+served greedy output must equal `Model.generate` exactly. The offline runs use the server's decode shapes (4 slots,
+16 steps per dispatch, 5 top logprobs; the server's loop also carries penalties, so the two compile separately);
+16 streams over 4 slots also exercise the queue and requests joining a running batch.
 """
 
 import concurrent.futures
