@@ -91,6 +91,25 @@ def test_corrupted_oracle_matches_the_closed_form(test_seed):
     assert_closed_form_acceptance(spec, alpha, k, seed, min_steps=4 * 69 / (k + 1))
 
 
+@functools.partial(jax.jit, static_argnames=("N",))
+def _first_committed(target, draft_logits, sampling_key, draft_key, *, N):
+    """For i < N: the first token `accept` commits for target / drafts drawn from q, with the i-th folded keys.
+    The seeds' keys and logits are arguments, so the listed seeds share one compiled program."""
+    k = draft_logits.shape[1]
+    sp1 = make_sampling(1, temperature=1.0, top_k=8)
+
+    def one(i):
+        sp = SamplingParams(sp1.temperature, sp1.top_k, sp1.top_p, sp1.min_p,
+                            jax.random.key_data(jax.random.fold_in(sampling_key, i))[None])
+        q = jax.vmap(lambda lg: filtered_logprobs(lg, sp), in_axes=1, out_axes=1)(draft_logits)
+        keys = jax.random.split(jax.random.fold_in(draft_key, i), k)
+        d = jnp.stack([jax.random.categorical(keys[j], q[0, j]) for j in range(k)])[None].astype(jnp.int32)
+        _, out = accept(target, d, q, sp, jnp.zeros((1,), jnp.int32), None, 0)
+        return out[0, 0]
+
+    return jax.vmap(one)(jnp.arange(N))
+
+
 @pytest.mark.parametrize("seed", [7, 8, 9])
 def test_rejection_sampling_is_lossless(seed):
     """The first committed token is distributed as the target's p, whatever the drafter's q."""
@@ -99,17 +118,8 @@ def test_rejection_sampling_is_lossless(seed):
     target = jnp.asarray(rng.normal(0, 1.5, (1, k + 1, V)), jnp.float32)
     draft_logits = jnp.asarray(rng.normal(0, 1.5, (1, k, V)), jnp.float32)
     sp1 = make_sampling(1, temperature=1.0, top_k=8)
-
-    def one(i):
-        sp = SamplingParams(sp1.temperature, sp1.top_k, sp1.top_p, sp1.min_p,
-                            jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(seed), i))[None])
-        q = jax.vmap(lambda lg: filtered_logprobs(lg, sp), in_axes=1, out_axes=1)(draft_logits)
-        keys = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed + 1000), i), k)
-        d = jnp.stack([jax.random.categorical(keys[j], q[0, j]) for j in range(k)])[None].astype(jnp.int32)
-        _, out = accept(target, d, q, sp, jnp.zeros((1,), jnp.int32), None, 0)
-        return out[0, 0]
-
-    first = np.asarray(jax.jit(jax.vmap(one))(jnp.arange(N)))
+    first = np.asarray(_first_committed(target, draft_logits, jax.random.PRNGKey(seed), jax.random.PRNGKey(seed + 1000),
+                                        N=N))
     p = np.exp(np.asarray(filtered_logprobs(target[:, 0], sp1))[0].astype(np.float64))
     support = p > 0
     assert set(np.unique(first).tolist()) <= set(np.nonzero(support)[0].tolist())
