@@ -247,6 +247,17 @@ def _chains(params, y, target, sp, L, last, *, cfg, k):
     return accept(jnp.broadcast_to(target, (N,) + target.shape), drafts, qs, sp, carry.state.lengths, None, 0)
 
 
+# The state and block as arguments (not closed over), so the listed seeds share the compiled programs
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _block_streams(params, rings, last, L, *, cfg):
+    return dspark.block_streams(params, cfg, rings, last, L - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def _greedy_logits(params, rings, last, L, y, *, cfg, k):
+    return dspark.draft_block(params, cfg, rings, last, L - 1, dspark.greedy, k + 1, y)[1]
+
+
 @pytest.mark.parametrize("seed", [11, 12])
 def test_rejection_sampling_with_dspark_drafts_is_lossless(seed):
     """N = 20000 rows draft k = 2 from one DSpark state (sampled from the row's filtered q, the Markov head
@@ -260,9 +271,8 @@ def test_rejection_sampling_with_dspark_drafts_is_lossless(seed):
     sp = SamplingParams(f(1.0), f(8, jnp.int32), f(1.0), f(0.0), jax.random.split(jax.random.PRNGKey(seed), N))
     rings = tuple(jnp.asarray(rng.normal(0, 1, r.shape), r.dtype) for r in dspark.init_rings(cfg, 1))
     last, L = jnp.full((1,), 7, jnp.int32), jnp.full((1,), 9, jnp.int32)
-    y = jax.jit(lambda p, r: dspark.block_streams(p, cfg, r, last, L - 1))(params, rings)   # one block, N chains
-    base = np.asarray(jax.jit(lambda p, y: dspark.draft_block(p, cfg, rings, last, L - 1, dspark.greedy, k + 1, y)[1])(
-        params, y))[0]
+    y = _block_streams(params, rings, last, L, cfg=cfg)                                      # one block, N chains
+    base = np.asarray(_greedy_logits(params, rings, last, L, y, cfg=cfg, k=k))[0]
     target = jnp.asarray(base + rng.normal(0, 1.0, base.shape), jnp.float32)
 
     a, out = map(np.asarray, _chains(params, y, target, sp, L, last, cfg=cfg, k=k))
