@@ -2,6 +2,7 @@
 (the HLO interpreter on CPU: outputs start as NaN, so anything unwritten shows) == reference, on fresh random
 inputs; the kernel lowers for CUDA."""
 
+import functools
 import types
 
 import jax
@@ -28,7 +29,13 @@ def _values(key, shape):
 
 
 def _case(seed, H, compact, B=2, Q=3, W=8, Nc=40, Kc=37):
-    ks = jax.random.split(jax.random.key(seed), 8)
+    return _case_arrays(jax.random.key(seed), H, compact, B, Q, W, Nc, Kc)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
+def _case_arrays(key, H, compact, B, Q, W, Nc, Kc):
+    """_case's inputs as one compiled program (op by op, the random draws and FP8 packing cost seconds on CPU)."""
+    ks = jax.random.split(key, 8)
     q = jax.random.normal(ks[0], (B, Q, H, FMT.dim), jnp.float32).astype(jnp.bfloat16)
     sink = jax.random.normal(ks[1], (H,), jnp.float32)
     ring, chunk, entries = _values(ks[2], (B, W, FMT.dim)), _values(ks[3], (B, Q, FMT.dim)), _values(ks[4], (B, Nc, FMT.dim))
@@ -73,6 +80,11 @@ def test_dequant_main_rows_is_exact(test_seed):
     assert MainRowFormat().row_bytes == 584
 
 
+def _decode_compiled(args, **kw):
+    """sparse_mqa_decode as one program, as the model calls it (op by op, the reference costs seconds on CPU)."""
+    return jax.jit(lambda a: sparse_mqa_decode(*a, **kw))(args)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("H", [8, 1], ids=["64/8-scaled", "64/64-scaled"])
 @pytest.mark.parametrize("compact", [False, True], ids=["bf16", "fp8rows"])
@@ -81,8 +93,8 @@ def test_matches_reference(test_seed, implementation, H, compact):
     args = (q, sink, window_rows(ring, chunk), win_idx, entries, comp_idx)
     kw = dict(scale=FMT.dim ** -0.5, row_format=FMT)
     opts = dict(block_k=16, num_splits=3, interpret=True) if implementation == "pallas" else {}
-    got = np.asarray(sparse_mqa_decode(*args, **kw, implementation=implementation, **opts), np.float32)
-    want = np.asarray(sparse_mqa_decode(*args, **kw, implementation="reference"), np.float32)
+    got = np.asarray(_decode_compiled(args, **kw, implementation=implementation, **opts), np.float32)
+    want = np.asarray(_decode_compiled(args, **kw, implementation="reference"), np.float32)
     # The split partials round p to bf16 relative to their own max, not the global one (≤ 2^-9 relative per
     # probability, so ≤ 2^-9·max|v| on the output), and the final bf16 rounding can then land one ulp
     # (≤ 2^-7·|x|) apart: 2^-6 of the largest |output| covers both.
@@ -116,8 +128,13 @@ V41_FORMATS = (MainRowFormat(nope=64, rope=0, block=32), Fp4RowFormat(dim=64))
 
 
 def _case41(seed, H=8, B=2, Q=3, W=8, Nc=40, Kc=37):
+    return _case41_arrays(jax.random.key(seed), H, B, Q, W, Nc, Kc)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _case41_arrays(key, H, B, Q, W, Nc, Kc):
     from dsjax import v41_rows
-    ks = jax.random.split(jax.random.key(seed), 8)
+    ks = jax.random.split(key, 8)
     q = jax.random.normal(ks[0], (B, Q, H, 64), jnp.float32).astype(jnp.bfloat16)
     sink = jax.random.normal(ks[1], (H,), jnp.float32)
     window = lambda k, n: v41_rows.pack_window(  # noqa: E731
@@ -141,8 +158,8 @@ def test_v41_rows_match_reference(test_seed, implementation):
                                   np.asarray(load_rows(args[2], V41_FORMATS[0])))
     kw = dict(scale=64 ** -0.5, row_format=V41_FORMATS)
     opts = dict(block_k=16, num_splits=3, interpret=True) if implementation == "pallas" else {}
-    got = np.asarray(sparse_mqa_decode(*args, **kw, implementation=implementation, **opts), np.float32)
-    want = np.asarray(sparse_mqa_decode(*args, **kw, implementation="reference"), np.float32)
+    got = np.asarray(_decode_compiled(args, **kw, implementation=implementation, **opts), np.float32)
+    want = np.asarray(_decode_compiled(args, **kw, implementation="reference"), np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=2.0 ** -6 * float(np.max(np.abs(want))))
 
 
