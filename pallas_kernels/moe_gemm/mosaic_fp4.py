@@ -154,6 +154,9 @@ def _scale_column_mgpu(sc_s, j, q):
         scalar = lambda v: arith.index_cast(index, vector.extract(  # noqa: E731
             v.registers.flat[0], dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0])))
         col = scalar(qv)
+        if j is not None:
+            lead = c(j) if jv is None else scalar(jv)                # a static set stays a constant index
+            per_row = c(ir.MemRefType(ref.type).shape[1] // 4)     # Q words a row (the rows flat as [4Q, 16])
         tid = arith.remui(gpu.thread_id(gpu.Dimension.x), c(128))
         base = arith.addi(arith.muli(arith.divui(tid, c(32)), c(16)), arith.divui(arith.remui(tid, c(32)), c(4)))
         layout = mgpu.WGMMA_ROW_LAYOUT
@@ -163,8 +166,6 @@ def _scale_column_mgpu(sc_s, j, q):
             if j is None:                                           # a streamed step's [64, words]
                 word = memref.load(ref, [at_row, col])
             else:
-                lead = c(j) if jv is None else scalar(jv)            # a static set stays a constant index
-                per_row = c(ir.MemRefType(ref.type).shape[1] // 4)  # Q words a row (the rows flat as [4Q, 16])
                 at = arith.addi(arith.muli(at_row, per_row), col)
                 word = memref.load(ref, [lead, arith.divui(at, c(16)), arith.remui(at, c(16))])
             regs[0, 0, h, 0, 0] = vector.broadcast(ir.VectorType.get((1,), i32), word)
@@ -468,16 +469,22 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     ACC = plgpu.Layout.WGMMA
     n_lin = len(lins)
     step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear, early_sums, quad_waits)
-    # the pairs' x scales (e4m3 codes) and weights share one buffer, the weights' row on 128 bytes (a tensor-map
-    # copy's destination must start there): each scratch buffer takes whole KB (Mosaic aligns them to 1,024 bytes),
-    # and the one KB this saves lets four up programs share an SM when their registers allow (`quad_waits`)
-    side_rows = aligned(Q if fp8 else 1, N)
+    # with quad_waits or stream_scales the pairs' x scales (e4m3 codes) and weights share one buffer, the weights'
+    # row on 128 bytes (a tensor-map copy's destination must start there): each scratch buffer takes whole KB (Mosaic
+    # aligns them to 1,024 bytes), and the KB this saves lets a fourth up program on an SM once its registers allow
+    # (quad_waits: 92). The default's registers cap it at 3 either way, so it keeps the two buffers its GPU tests
+    # and timings ran with (the shared one has run only interpreted and lowered: no device time was left)
+    shared_side = quad_waits or stream_scales
+    side_rows = aligned(Q if fp8 else 1, N) if shared_side else 0
+    side_types = ([plgpu.SMEM((side_rows + 1, N), jnp.float32)] if shared_side else     # x scales, pair weights
+                  [plgpu.SMEM((Q if fp8 else 1, N), jnp.float32), plgpu.SMEM((N,), jnp.float32)])
 
     def body(e_ref, x_ref, *rest):
         xs_ref, pw_ref, w_refs, s_refs, out_ref, scratch = kernel_refs(rest, fp8, n_lin)
-        (e_s, side_s, o_s, bars), sc_s = ((scratch, None) if stream_scales else
-                                          (scratch[:2] + scratch[3:], scratch[2]))
-        xs_s, pw_s = side_s, side_s.at[side_rows]
+        e_s, scratch = scratch[0], scratch[1:]
+        (xs_s, pw_s), scratch = ((scratch[0], scratch[0].at[side_rows]), scratch[1:]) if shared_side else (
+            scratch[:2], scratch[2:])
+        (sc_s, o_s, bars) = (None, *scratch) if stream_scales else scratch
         if pdl and not interpreting:
             plgpu.griddepcontrol_wait()         # the inputs are the previous kernel's outputs: nothing read before
         t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
@@ -490,7 +497,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         def _tile():
             # the program's side operands, waited for in the first step: the pipeline's first weight and
             # activation loads go out at once, not after a round trip
-            copies = ([(xs_ref.at[t], xs_s.at[pl.ds(0, Q)])] if fp8 else []) + [(pw_ref.at[t], pw_s)] + (
+            xs_dst = xs_s.at[pl.ds(0, Q)] if shared_side else xs_s
+            copies = ([(xs_ref.at[t], xs_dst)] if fp8 else []) + [(pw_ref.at[t], pw_s)] + (
                 [] if stream_scales else [(s_refs[j].at[e * (n_out // ROWS) + r], sc_s.at[j]) for j in range(n_lin)])
             for i, (src, dst) in enumerate(copies):         # a barrier each: one arrival per copy
                 plgpu.copy_gmem_to_smem(src, dst, bars.at[1 + i])
@@ -538,7 +546,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
             scratch_types=[
                 plgpu.SMEM((4,), jnp.int32),                                        # the tile's expert
-                plgpu.SMEM((side_rows + 1, N), jnp.float32),                        # x scales, pair weights
+                *side_types,                                                        # x scales, pair weights
                 *([] if stream_scales else [plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32)]),  # rows' weight scales
                 (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else        # the output tile: partials
                  plgpu.SMEM((ROWS, N), jnp.bfloat16)),                              # or the epilogue's
