@@ -529,3 +529,16 @@ def test_prefill_merge_of_the_h200_runs(tmp_path):
     other["config"] = "v4-flash-slice4x256"
     with pytest.raises(ConfigError, match="config"):
         prefill_plot.merge([other, json.load(open(b))])
+
+
+def test_lowered_kernels_print_the_same_code_alike_and_other_code_apart():
+    """`lowered_kernels` (a kernel's code compared across edits without a GPU): the default FP4 expert op lowered
+    twice in one process prints the same two Mosaic kernels once the locations and the dump counter are dropped;
+    naming the default (`mosaic_wait_per_linear` True) changes nothing; `mosaic_quad_waits` changes both kernels."""
+    from dsjax.bench.lowered_kernels import digest, moe_kernels
+
+    first, again, named, quads = (moe_kernels("tiny", 2, options) for options in (
+        {}, {}, {"mosaic_wait_per_linear": True}, {"mosaic_quad_waits": True}))
+    assert len(first) == 2 and all("wgmma" in k and "loc(" not in k for k in first)
+    assert [digest(k) for k in again] == [digest(k) for k in first] == [digest(k) for k in named]
+    assert all(digest(a) != digest(b) for a, b in zip(quads, first))
