@@ -13,6 +13,7 @@ from lower_h200 import lower_for_h200
 from test_kernel_moe_gemm import LIMIT, _case
 
 from dsjax import quant
+from dsjax.bench import lowered_kernels
 from dsjax.kernels.common import dequant_weight
 from dsjax.kernels.moe_gemm import moe_gemm, mosaic_fp4
 from dsjax.kernels.moe_gemm import route_slots as route_slots_mod
@@ -281,7 +282,7 @@ def test_default_tile_width_follows_an_experts_mean_share():
     (256, 4096, 2048, 1024, True, 1, 32, False, 0), (256, 4096, 2048, 1024, False, 1, 64, False, 0),
     (256, 4096, 2048, 8, True, 1, None, True, 0), (256, 4096, 2048, 8, True, 1, None, False, 132),
     (384, 5120, 2304, 6, False, 2, None, False, 132), (256, 4096, 2048, 8, True, 1, None, False, "stream"),
-    (384, 5120, 2304, 6, True, 1, None, False, "stream")])
+    (384, 5120, 2304, 6, True, 1, None, False, "stream"), (256, 4096, 2048, 8, True, 1, None, False, "quads")])
 def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, programs):
     """V4-Flash (decode, 8 tokens; prefill, 1,024) and V4.1-Flash (verify) shapes: the Pallas + Mosaic GPU lowering,
     including the `inline_mgpu` code that reinterprets the words as wgmma A registers and loads the scale columns;
@@ -292,6 +293,7 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
     quad at a time ("quads": the words sliced in registers, a quad decoded and multiplied at a time); with the
     scales streamed ("stream": V4.1's down GEMM, 18 words a row, keeps its whole-K buffer)."""
     S = jax.ShapeDtypeStruct
+    mode = programs if isinstance(programs, str) else ""
     early, stream = programs == "early+pdl", programs == "stream"
     quads = programs in ("quads", "stream")
     programs = 0 if early or quads else programs
@@ -311,6 +313,12 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
     assert ("moe_route_slots" in text) == route
     assert text.count("uses_pdl") == (2 if early else 0) and ("griddepcontrol.wait" in text) == early
     assert (text.count("wgmma.wait_group") > 16) == early           # a wait a block, with its wait_n
+    if (E, n, act_quant_sim, k_splits, pairs, route, programs) == (256, 8, True, 1, None, False, 0):
+        # the up kernel's shared memory a program at V4-Flash decode (ncu on an H100 read the default's 57.40 KB
+        # and 3 programs an SM): 4 with quad_waits (its 92 registers allow 5), 5 with the scales streamed too
+        up = lowered_kernels.launch_smem_bytes(lowered_kernels.mosaic_modules(text)[0])
+        want = {"stream": 5, "quads": 4}.get(mode, 3)
+        assert lowered_kernels.programs_per_sm_by_smem(up) == want, (mode, up)
 
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")

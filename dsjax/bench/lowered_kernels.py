@@ -1,5 +1,6 @@
 """The MoE expert op's Mosaic GPU kernels as lowered on this CPU for an abstract H200, printed without debug info,
-with a hash each: whether an edit changed a kernel's code, answered without a GPU.
+with a hash each — whether an edit changed a kernel's code, answered without a GPU — and each kernel's shared
+memory a program, so how many programs an SM's shared memory holds (ncu's "Block Limit Shared Mem").
 
 Why: the lowered module carries source lines in its locations, so any edit above a kernel changes the module's
 bytes; with the locations dropped, two lowerings of the same kernel code print the same text. How the session of
@@ -24,6 +25,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+SMEM_PER_SM = 228 * 1024    # an H100's or H200's shared memory for its programs
+SMEM_RESERVED = 1024        # what the driver keeps of it a program
 SHAPES = {"v4": (256, 4096, 2048), "v41": (384, 5120, 2304), "tiny": (8, 512, 256)}   # experts, model, expert dims
 _MODULE = re.compile(r'module = "((?:[^"\\]|\\.)*)"')
 _DUMP_NAME = re.compile(r'mosaic_gpu\.dump_basename = "[^"]*"')     # a per-process counter, not the kernel's code
@@ -73,6 +76,18 @@ def mosaic_modules(stablehlo_text: str) -> list[str]:
     return printed
 
 
+def launch_smem_bytes(asm: str) -> int:
+    """A kernel's dynamic shared memory a program (scratch and barriers): the launch's last operand, a constant."""
+    operands = re.search(r'"(?:stable_mosaic_gpu\.)?gpu\.launch"\(([^)]*)\)', asm).group(1)
+    name = re.escape(operands.split(",")[-1].strip())
+    return int(re.search(name + r' = "(?:stable_mosaic_gpu\.)?arith\.constant"\(\) \{value = (\d+)', asm).group(1))
+
+
+def programs_per_sm_by_smem(smem_bytes: int) -> int:
+    """Programs of this much dynamic shared memory one SM holds at once (registers and warps may allow fewer)."""
+    return SMEM_PER_SM // (smem_bytes + SMEM_RESERVED)
+
+
 def moe_kernels(shapes: str, tokens: int, options: dict, activations: str = "fp8") -> list[str]:
     """The FP4 expert op's Mosaic kernels (up, then down) at these shapes and options, without debug info."""
     from dsjax.kernels.moe_gemm.api import moe_gemm
@@ -110,7 +125,9 @@ def main(argv=None) -> int:
         for options in args.configs:
             kernels = moe_kernels(args.shapes, n, options, args.activations)
             row = dict(shapes=args.shapes, tokens=n, activations=args.activations, options=options,
-                       kernels=[dict(sha256=digest(k), chars=len(k)) for k in kernels])
+                       kernels=[dict(sha256=digest(k), chars=len(k), smem_bytes=launch_smem_bytes(k),
+                                     programs_per_sm_by_smem=programs_per_sm_by_smem(launch_smem_bytes(k)))
+                                for k in kernels])
             print(json.dumps(row), flush=True)
             if args.out:
                 import pathlib

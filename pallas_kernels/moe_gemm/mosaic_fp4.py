@@ -180,9 +180,19 @@ def scale_byte_f32(u):
     return lax.bitcast_convert_type(jnp.maximum(u << 23, jnp.uint32(0x00400000)), jnp.float32)
 
 
-def expert_rows(experts):
-    """int32 [T] tile experts -> [T, 4]: one 16-byte row a tile (TMA copies whole 16-byte rows), expert first."""
-    return jnp.pad(experts.astype(jnp.int32)[:, None], ((0, 0), (0, 3)))
+def expert_rows(experts, dtype=jnp.int32):
+    """int32 [T] tile experts -> [T, 4] of dtype: one 16-byte row a tile (TMA copies whole 16-byte rows), expert
+    first (fp32 holds every expert index exactly: they are < 2^24)."""
+    return jnp.pad(experts.astype(dtype)[:, None], ((0, 0), (0, 3)))
+
+
+def side_layout(x_rows: int, N: int) -> tuple[int, int, int]:
+    """(pair-weight row, expert row, rows) of a tile-grid program's one side buffer [rows, N] fp32: the pairs' x
+    scales in rows [0, x_rows), their weights in one row, the tile's expert in the first 4 words of the next, each
+    part starting on 128 bytes (a tensor-map copy's destination must: `aligned`)."""
+    pw_row = aligned(x_rows, N)
+    e_row = pw_row + aligned(1, N)
+    return pw_row, e_row, e_row + 1
 
 
 def scale_block_words(block_k: int) -> int:
@@ -469,29 +479,32 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     ACC = plgpu.Layout.WGMMA
     n_lin = len(lins)
     step_math = StepMath(fp8, nb, n_lin, N, interpreting, wait_per_linear, early_sums, quad_waits)
-    # with quad_waits or stream_scales the pairs' x scales (e4m3 codes) and weights share one buffer, the weights'
-    # row on 128 bytes (a tensor-map copy's destination must start there): each scratch buffer takes whole KB (Mosaic
-    # aligns them to 1,024 bytes), and the KB this saves lets a fourth up program on an SM once its registers allow
-    # (quad_waits: 92). The default's registers cap it at 3 either way, so it keeps the two buffers its GPU tests
-    # and timings ran with (the shared one has run only interpreted and lowered: no device time was left)
+    # with quad_waits or stream_scales the tile's expert, the pairs' x scales (e4m3 codes) and weights share one
+    # buffer (`side_layout`): each scratch buffer takes whole KB (Mosaic aligns them to 1,024 bytes), and the KB this
+    # saves lets a fourth up program on an SM once its registers allow (quad_waits: 92). The default's registers cap
+    # it at 3 either way, so it keeps the three buffers its GPU tests and timings ran with (the shared one has run
+    # only interpreted and lowered: no device time was left)
     shared_side = quad_waits or stream_scales
-    side_rows = aligned(Q if fp8 else 1, N) if shared_side else 0
-    side_types = ([plgpu.SMEM((side_rows + 1, N), jnp.float32)] if shared_side else     # x scales, pair weights
-                  [plgpu.SMEM((Q if fp8 else 1, N), jnp.float32), plgpu.SMEM((N,), jnp.float32)])
+    pw_row, e_row, side_rows = side_layout(Q if fp8 else 1, N)
+    side_types = ([plgpu.SMEM((side_rows, N), jnp.float32)] if shared_side else      # expert, x scales, weights
+                  [plgpu.SMEM((4,), jnp.int32), plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),
+                   plgpu.SMEM((N,), jnp.float32)])
 
     def body(e_ref, x_ref, *rest):
         xs_ref, pw_ref, w_refs, s_refs, out_ref, scratch = kernel_refs(rest, fp8, n_lin)
-        e_s, scratch = scratch[0], scratch[1:]
-        (xs_s, pw_s), scratch = ((scratch[0], scratch[0].at[side_rows]), scratch[1:]) if shared_side else (
-            scratch[:2], scratch[2:])
-        (sc_s, o_s, bars) = (None, *scratch) if stream_scales else scratch
+        if shared_side:
+            side_s, *scratch = scratch
+            e_s, xs_s, pw_s = side_s.at[e_row, pl.ds(0, 4)], side_s, side_s.at[pw_row]
+        else:
+            e_s, xs_s, pw_s, *scratch = scratch
+        sc_s, o_s, bars = (None, *scratch) if stream_scales else scratch
         if pdl and not interpreting:
             plgpu.griddepcontrol_wait()         # the inputs are the previous kernel's outputs: nothing read before
         t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
         rows = pl.ds(r * ROWS, ROWS)
         plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
-        e = e_s[0]
+        e = e_s[0].astype(jnp.int32) if shared_side else e_s[0]      # shared: the expert as an fp32 value
 
         @pl.when(e >= 0)
         def _tile():
@@ -545,15 +558,14 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                             jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16)),
             grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
             scratch_types=[
-                plgpu.SMEM((4,), jnp.int32),                                        # the tile's expert
-                *side_types,                                                        # x scales, pair weights
+                *side_types,                                                        # expert, x scales, weights
                 *([] if stream_scales else [plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32)]),  # rows' weight scales
                 (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else        # the output tile: partials
                  plgpu.SMEM((ROWS, N), jnp.bfloat16)),                              # or the epilogue's
                 plgpu.Barrier(num_barriers=2 + fp8 + (0 if stream_scales else n_lin)),
             ],
             interpret=interp)
-        head = expert_rows(experts)
+        head = expert_rows(experts, jnp.float32 if shared_side else jnp.int32)
     out = kernel(head, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales)
     if not split_out:
         return out
