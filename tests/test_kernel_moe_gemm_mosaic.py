@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lower_h200 import lower_for_h200
 from test_kernel_moe_gemm import LIMIT, _case
 
 from dsjax import quant
@@ -18,7 +17,7 @@ from dsjax.kernels.common import dequant_weight
 from dsjax.kernels.moe_gemm import moe_gemm, mosaic_fp4
 from dsjax.kernels.moe_gemm import route_slots as route_slots_mod
 from dsjax.layers import moe as _moe
-from dsjax.weights import Linear, stored_linear
+from dsjax.weights import stored_linear
 
 on_gpu = jax.default_backend() == "gpu"
 
@@ -162,9 +161,10 @@ def test_side_buffers_start_on_128_bytes(K):
     8 pair weights a unit put the second part 32 bytes in, stopped on an H100 with a misaligned address, which
     interpret mode cannot see; with every part on 128 bytes (`mosaic_fp4_persistent.aligned`) it runs, clean under
     compute-sanitizer. This keeps that for every K of V4-Flash and V4.1-Flash (18 x-scale rows at V4.1's 2304) and
-    tile width; and for the tile grid, whose one side buffer holds the x scales' rows, then the pair weights' row
-    (`aligned` rows in: one KB of shared memory less a program than two buffers, each of whole KB)."""
-    from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import aligned, side_buffers
+    tile width; and for the tile grid's one side buffer with quad_waits or stream_scales (`side_layout`: the x
+    scales' rows, the pair weights' row, the tile expert's row; one or two KB of shared memory less a program than
+    three buffers of whole KB)."""
+    from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import side_buffers
 
     Q = K // mosaic_fp4.QUAD
     for N in (8, 16, 32):
@@ -173,8 +173,9 @@ def test_side_buffers_start_on_128_bytes(K):
             for (shape, dtype), copied in zip(buffers, [Q * N * 4 if fp8 else 0, N * 4, 4 * Q * 16 * 4]):
                 part = int(np.prod(shape[1:])) * jnp.dtype(dtype).itemsize   # one copy's part: its stride, bytes
                 assert part % 128 == 0 and part >= copied, (shape, N, fp8)
-            rows = aligned(Q if fp8 else 1, N)                              # the tile grid's pair-weight row
-            assert rows * N * 4 % 128 == 0 and rows >= (Q if fp8 else 1), (N, fp8)
+            pw_row, e_row, rows = mosaic_fp4.side_layout(Q if fp8 else 1, N)    # the tile grid's one buffer
+            assert all(row * N * 4 % 128 == 0 for row in (pw_row, e_row)), (N, fp8)
+            assert (Q if fp8 else 1) <= pw_row < e_row < rows, (N, fp8)
 
 
 def test_scale_bytes_decode_as_e8m0():
@@ -292,22 +293,14 @@ def test_lowers_for_h200(E, D, I, n, act_quant_sim, k_splits, pairs, route, prog
     programmatic dependent ("early+pdl": `wgmma_accumulator_load` with wait_n, `griddepcontrol.wait`); a step a
     quad at a time ("quads": the words sliced in registers, a quad decoded and multiplied at a time); with the
     scales streamed ("stream": V4.1's down GEMM, 18 words a row, keeps its whole-K buffer)."""
-    S = jax.ShapeDtypeStruct
     mode = programs if isinstance(programs, str) else ""
     early, stream = programs == "early+pdl", programs == "stream"
     quads = programs in ("quads", "stream")
     programs = 0 if early or quads else programs
-    lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
-    f = lambda x, w, ids, a, b, c: moe_gemm(x, w, ids, a, b, c, swiglu_limit=10.0,  # noqa: E731
-                                            act_quant_sim=act_quant_sim,
-                                            act_quant_block=128, implementation="pallas", interpret=False,
-                                            fp4_kernel="mosaic", mosaic_k_splits=k_splits, mosaic_pairs=pairs,
-                                            mosaic_route_kernel=route, mosaic_programs=programs,
-                                            mosaic_stages=4 if programs else None, mosaic_early_sums=early,
-                                            mosaic_pdl=early, mosaic_quad_waits=quads,
-                                            mosaic_stream_scales=stream)
-    text = lower_for_h200(f, S((n, D), jnp.bfloat16), S((n, 6), jnp.float32), S((n, 6), jnp.int32),
-                          lin(I, D), lin(I, D), lin(D, I))
+    text = lowered_kernels.lower_moe(E, D, I, n, dict(
+        mosaic_k_splits=k_splits, mosaic_pairs=pairs, mosaic_route_kernel=route, mosaic_programs=programs,
+        mosaic_stages=4 if programs else None, mosaic_early_sums=early, mosaic_pdl=early, mosaic_quad_waits=quads,
+        mosaic_stream_scales=stream), act_quant_sim)
     assert text.count("mosaic_gpu") >= 2
     assert text.count("__gpu$xla.gpu.triton") == 2 + route and "moe_tile_operands" in text   # x's and h's A tiles
     assert ("moe_route_slots" in text) == route

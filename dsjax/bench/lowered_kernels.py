@@ -88,22 +88,25 @@ def programs_per_sm_by_smem(smem_bytes: int) -> int:
     return SMEM_PER_SM // (smem_bytes + SMEM_RESERVED)
 
 
-def moe_kernels(shapes: str, tokens: int, options: dict, activations: str = "fp8") -> list[str]:
-    """The FP4 expert op's Mosaic kernels (up, then down) at these shapes and options, without debug info."""
+def lower_moe(E: int, D: int, I: int, tokens: int, options: dict, act_quant_sim: bool = True) -> str:
+    """The StableHLO text of the FP4 expert op (top-6 of E experts, D -> I -> D, the Mosaic kernels with these
+    `moe_gemm` options) for `tokens` tokens, lowered for an abstract H200."""
     from dsjax.kernels.moe_gemm.api import moe_gemm
     from dsjax.weights import Linear
 
-    E, D, I = SHAPES[shapes]
     S = jax.ShapeDtypeStruct
     lin = lambda o, i: Linear(S((E, o, i // 2), jnp.uint8), S((E, o, i // 32), jnp.uint8), "fp4", 32)  # noqa: E731
 
     def f(x, w, ids, w1, w3, w2):
-        return moe_gemm(x, w, ids, w1, w3, w2, swiglu_limit=10.0, act_quant_sim=activations == "fp8",
-                        act_quant_block=128, implementation="pallas", interpret=False, fp4_kernel="mosaic",
-                        **options)
-    text = lower_for_h200(f, S((tokens, D), jnp.bfloat16), S((tokens, 6), jnp.float32), S((tokens, 6), jnp.int32),
+        return moe_gemm(x, w, ids, w1, w3, w2, swiglu_limit=10.0, act_quant_sim=act_quant_sim, act_quant_block=128,
+                        implementation="pallas", interpret=False, fp4_kernel="mosaic", **options)
+    return lower_for_h200(f, S((tokens, D), jnp.bfloat16), S((tokens, 6), jnp.float32), S((tokens, 6), jnp.int32),
                           lin(I, D), lin(I, D), lin(D, I))
-    return mosaic_modules(text)
+
+
+def moe_kernels(shapes: str, tokens: int, options: dict, activations: str = "fp8") -> list[str]:
+    """The FP4 expert op's Mosaic kernels (up, then down) at these shapes and options, without debug info."""
+    return mosaic_modules(lower_moe(*SHAPES[shapes], tokens, options, act_quant_sim=activations == "fp8"))
 
 
 def digest(asm: str) -> str:
@@ -124,10 +127,11 @@ def main(argv=None) -> int:
     for n in args.tokens:
         for options in args.configs:
             kernels = moe_kernels(args.shapes, n, options, args.activations)
+            smem = [launch_smem_bytes(k) for k in kernels]
             row = dict(shapes=args.shapes, tokens=n, activations=args.activations, options=options,
-                       kernels=[dict(sha256=digest(k), chars=len(k), smem_bytes=launch_smem_bytes(k),
-                                     programs_per_sm_by_smem=programs_per_sm_by_smem(launch_smem_bytes(k)))
-                                for k in kernels])
+                       kernels=[dict(sha256=digest(k), chars=len(k), smem_bytes=b,
+                                     programs_per_sm_by_smem=programs_per_sm_by_smem(b))
+                                for k, b in zip(kernels, smem)])
             print(json.dumps(row), flush=True)
             if args.out:
                 import pathlib
