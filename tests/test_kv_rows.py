@@ -41,7 +41,9 @@ def test_round_trips_are_lossless(test_seed):
 
 @pytest.mark.parametrize("numerics", ["reference-bf16", "reference-fp8"])
 def test_forward_with_compact_rows_equals_plain_caches(numerics, test_seed, monkeypatch):
-    cfg = dsjax.preset("tiny-v4", vocab_size=1024, window_size=8, index_topk=4).with_numerics(numerics)
+    # one layer of each kind (window + hash routing, CSA with its index rows, HCA): every row kind, half the compile
+    cfg = dsjax.preset("tiny-v4", vocab_size=1024, window_size=8, index_topk=4, n_layers=3,
+                       compress_ratios=(0, 4, 16, 0), n_hash_layers=1).with_numerics(numerics)
     params = init_params(cfg, test_seed)
     ids = jnp.asarray(np.random.default_rng(test_seed).integers(0, 1024, (2, 40)), jnp.int32)
     compact = np.asarray(jax.jit(lambda p, i: forward(p, cfg, i))(params, ids))
