@@ -120,7 +120,7 @@ def test_v41_attention_layers_match_xla(test_seed):
 
     m = dsjax.load("tiny-v41", kernels="xla", max_seq_len=64, max_batch=2)
     cfg, params = m.cfg, m.params
-    st = _random_v41_state(cfg, jax.random.key(test_seed + 1), 40)
+    st = jax.jit(_random_v41_state, static_argnums=(0, 2))(cfg, jax.random.key(test_seed + 1), 40)  # one compile
     x = jax.random.normal(jax.random.key(test_seed), (2, 6, cfg.dim), jnp.float32).astype(jnp.bfloat16)
     start, n = st.lengths, jnp.array([6, 4], jnp.int32)
     roles = {0: "window", 2: "ratio-2 source", 3: "Reuse", 6: "ratio-1 source + candidates", 8: "Reindex"}
