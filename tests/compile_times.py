@@ -64,10 +64,11 @@ def pytest_sessionfinish(session):
 
 
 def summarize(directory: str, top: int = 25) -> str:
-    stats: dict[str, list] = {}
+    stats: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         with open(path) as f:
-            stats.update(json.load(f))
+            for test, row in json.load(f).items():   # rows added: every worker has its own "<between tests>"
+                stats[test] = [a + b for a, b in zip(stats[test], row)]
     if not stats:
         raise SystemExit(f"compile_times: no reports in {directory}")
     totals = [sum(v[i] for v in stats.values()) for i in range(4)]
