@@ -74,8 +74,9 @@ def summarize(directory: str, top: int = 25) -> str:
     totals = [sum(v[i] for v in stats.values()) for i in range(4)]
     by_file: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     for test, v in stats.items():
-        by_file[test.split("::")[0]][0] += v[0]
-        by_file[test.split("::")[0]][1] += v[1] + v[3]
+        row = by_file[test.split("::")[0]]
+        row[0] += v[0]
+        row[1] += v[1] + v[3]
     lines = [f"{totals[0]} backend compiles ({totals[1]:.0f} s), {totals[2]} lowerings and traces ({totals[3]:.0f} s)",
              "", "by file: compiles, compile + lowering seconds"]
     lines += [f"  {n:6d} {s:7.1f}  {f}" for f, (n, s) in sorted(by_file.items(), key=lambda kv: -kv[1][1])[:top]]
