@@ -105,6 +105,25 @@ def test_streamed_scales_equal_whole_k_scales(test_seed, fp8, block_k, k_splits,
                                                        quad_waits=quads), dict(stream_scales=True))
 
 
+@pytest.mark.parametrize("fp8,k_splits,quads", [(True, 1, False), (True, 2, True), (False, 1, False)],
+                         ids=["e4m3", "e4m3-split2-quads", "bf16"])
+def test_consumer_warpgroups_equal_the_tile_grid(test_seed, fp8, k_splits, quads):
+    """`consumers=2` (programs of 128 rows: a compute warpgroup a 64-row block on one warp-specialized load
+    pipeline, the loads issued by a memory warpgroup) folds each 64-row block as the tile grid's program does: bit
+    for bit on every used tile, both epilogues, K split, with `quad_waits`; unused tiles first, between and last."""
+    _assert_tile_gemm_forms_equal(test_seed, fp8, dict(block_k=256, stages=2, k_splits=k_splits, quad_waits=quads),
+                                  dict(consumers=2))
+
+
+def test_consumer_warpgroups_refuse_rows_they_cannot_split():
+    """Programs of consumers x 64 rows need n_out a multiple of that, and the tile grid."""
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(0, True)
+    with pytest.raises(ValueError, match="consumers 4 must be"):
+        mosaic_fp4.tile_gemm(xt, xs, experts, [w1], consumers=4, interpret=True)        # n_out 128
+    with pytest.raises(ValueError, match="tile grid options"):
+        mosaic_fp4.tile_gemm(xt, xs, experts, [w1], consumers=2, programs=2, interpret=True)
+
+
 def test_streamed_scales_refuse_what_they_cannot_stream():
     """V4.1-Flash's down contraction (2304 / 128 = 18 scale words a row: not 16-byte rows) and the persistent
     launch keep the whole-K buffer; asked to stream there, `tile_gemm` says so."""
@@ -355,4 +374,21 @@ def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, q
                                           act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
                                           interpret=False, fp4_kernel="mosaic", **o))
     got = run(mosaic_early_sums=early, mosaic_pdl=pdl, mosaic_quad_waits=quads, mosaic_stream_scales=stream)
+    np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
+
+
+@pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
+@pytest.mark.parametrize("n,consumers,quads,stages", [(1, 2, False, 2), (8, 2, False, 4), (40, 2, True, 2),
+                                                      (1, 4, True, 2), (8, 4, True, 2)])
+def test_consumer_warpgroups_equal_the_default_on_gpu(test_seed, n, consumers, quads, stages, act_quant_sim):
+    """Compiled, the warp-specialized programs (`mosaic_consumers`: a memory warpgroup issuing the loads, a compute
+    warpgroup a 64-row block, the compute warpgroups' registers raised by `setmaxnreg`) fold each block as the tile
+    grid does: the op's output bit for bit."""
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
+    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
+                                          interpret=False, fp4_kernel="mosaic", mosaic_quad_waits=quads, **o))
+    got = run(mosaic_consumers=consumers, mosaic_stages=stages)
+    assert np.isfinite(got).all()
     np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))

@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsjax.kernels.common import (check_offsets, fp4_code_to_f32, fp4_e4m3_words, fp4_pair_bits,
                                   fp4_words, gpu_interpret, round_bf)
+from dsjax.kernels.moe_gemm.mosaic_fp4_consumers import consumers_kernel
 from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import aligned, persistent_kernel, used_tiles
 from dsjax.layers import moe as _moe
 
@@ -221,9 +222,9 @@ def weight_spec(W: int, expert, row_block, first_step):
     return weight_block_spec(W, lambda k: (expert, row_block, first_step + k))
 
 
-def weight_block_spec(W: int, index_map):
-    """`weight_spec` with any map of the pipeline step to (expert, 64-row block, W-word column block)."""
-    return plgpu.BlockSpec((None, ROWS, W), index_map,
+def weight_block_spec(W: int, index_map, rows: int = ROWS):
+    """`weight_spec` with any map of the pipeline step to (expert, `rows`-row block, W-word column block)."""
+    return plgpu.BlockSpec((None, rows, W), index_map,
                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
 
 
@@ -413,7 +414,7 @@ class StepMath(NamedTuple):
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
               stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0,
               early_sums: bool = False, pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False,
-              interpret=None):
+              consumers: int = 1, interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -435,6 +436,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     stream_scales: the rows' block scales streamed beside the weights (`scales_spec`: 64 rows x 4 words every one
     or two steps) instead of loaded for all of K up front (8 KB a Linear at K = 4096): less shared memory a
     program, for more programs an SM. Tile grid only; K / 128 a multiple of 4 (16-byte rows of scale words).
+    consumers: 1 = one warpgroup a program, computing and loading; > 1 = programs of `consumers` x 64 rows, one
+    compute warpgroup a 64-row block on one load pipeline with its own memory warpgroup (`mosaic_fp4_consumers`):
+    the same outputs, bit for bit. Tile grid only.
     pdl: launch as a programmatic dependent (Hopper PDL, `plgpu.griddepcontrol_wait` first thing in each program,
     before any input is read): the launch and the programs' set-up overlap the previous kernel's end.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
@@ -458,8 +462,11 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                          f"{block_k} columns")
     if programs < 0:
         raise ValueError(f"moe_gemm mosaic_fp4: programs must be 0 (a program a unit) or more, got {programs}")
-    if (pdl or stream_scales) and programs:
-        raise ValueError("moe_gemm mosaic_fp4: pdl and stream_scales are tile grid options (programs=0)")
+    if (pdl or stream_scales or consumers != 1) and programs:
+        raise ValueError("moe_gemm mosaic_fp4: pdl, stream_scales and consumers are tile grid options (programs=0)")
+    if consumers < 1 or n_out % (consumers * ROWS) or consumers > 1 and (pdl or stream_scales):
+        raise ValueError(f"moe_gemm mosaic_fp4: consumers {consumers} must be >= 1 with n_out {n_out} a multiple of "
+                         f"{ROWS} x consumers (and no pdl or stream_scales with more than one)")
     if stream_scales and not streams_scales(K, block_k):
         raise ValueError(f"moe_gemm mosaic_fp4: stream_scales needs K / {QUAD} a multiple of the "
                          f"{scale_block_words(block_k)} scale words a streamed block holds, got K {K}")
@@ -552,6 +559,11 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                                    stages=stages, programs=programs, row_bytes=row_bytes, swiglu_limit=swiglu_limit,
                                    interp=interp)
         head = used_tiles(experts)
+    elif consumers > 1:
+        kernel = consumers_kernel(step_math, T=T, n_out=n_out, K=K, block_k=block_k, k_splits=k_splits,
+                                  stages=stages, consumers=consumers, row_bytes=row_bytes, swiglu_limit=swiglu_limit,
+                                  interp=interp)
+        head = expert_rows(experts)
     else:
         kernel = plgpu.kernel(
             body, out_type=(jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32) if split_out else
@@ -604,7 +616,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
              interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
              programs: int = 0, early_sums: bool = False, pdl: bool = False, quad_waits: bool = False,
-             stream_scales: bool = False):
+             stream_scales: bool = False, consumers: int = 1):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -618,7 +630,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
     one program an SM, for both GEMMs). early_sums, pdl, quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales
-    too, for each GEMM whose contraction can (`streams_scales`; the tile grid only)."""
+    too, for each GEMM whose contraction can (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for
+    each GEMM whose rows it divides (else 1)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -641,13 +654,15 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
                 early_sums=early_sums, pdl=pdl, quad_waits=quad_waits, interpret=interpret)
+    wgs = lambda rows: consumers if rows % (consumers * ROWS) == 0 else 1  # noqa: E731
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
     stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
-                  k_splits=splits(D), stream_scales=stream(D), **opts)               # [T, I, N]
+                  k_splits=splits(D), stream_scales=stream(D), consumers=wgs(I), **opts)   # [T, I, N]
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I)                             # h's columns as stored
-    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I), stream_scales=stream(I), **opts)  # [T, D, N]
+    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I), stream_scales=stream(I), consumers=wgs(D),
+                  **opts)                                                            # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)
