@@ -115,11 +115,15 @@ def test_consumer_warpgroups_equal_the_tile_grid(test_seed, fp8, k_splits, quads
                                   dict(consumers=2))
 
 
-def test_consumer_warpgroups_refuse_rows_they_cannot_split():
-    """Programs of consumers x 64 rows need n_out a multiple of that, and the tile grid."""
+def test_consumer_warpgroups_refuse_what_they_cannot_run():
+    """Programs of consumers x 64 rows need n_out a multiple of that, and the tile grid; 4 consumers hung an H100
+    (2026-12-06), so only 1 and 2 (`CONSUMERS`, both run on a GPU) are taken."""
     codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(0, True)
-    with pytest.raises(ValueError, match="consumers 4 must be"):
-        mosaic_fp4.tile_gemm(xt, xs, experts, [w1], consumers=4, interpret=True)        # n_out 128
+    for consumers in (0, 4):
+        with pytest.raises(ValueError, match=f"consumers {consumers} must be one of"):
+            mosaic_fp4.tile_gemm(xt, xs, experts, [w1], consumers=consumers, interpret=True)
+    with pytest.raises(ValueError, match="consumers 2 must be one of"):
+        mosaic_fp4.tile_gemm(xt, xs, experts, [w1], consumers=2, stream_scales=True, interpret=True)
     with pytest.raises(ValueError, match="tile grid options"):
         mosaic_fp4.tile_gemm(xt, xs, experts, [w1], consumers=2, programs=2, interpret=True)
 
@@ -379,8 +383,7 @@ def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, q
 
 @pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
-@pytest.mark.parametrize("n,consumers,quads,stages", [(1, 2, False, 2), (8, 2, False, 4), (40, 2, True, 2),
-                                                      (1, 4, True, 2), (8, 4, True, 2)])
+@pytest.mark.parametrize("n,consumers,quads,stages", [(1, 2, False, 2), (8, 2, False, 4), (40, 2, True, 2)])
 def test_consumer_warpgroups_equal_the_default_on_gpu(test_seed, n, consumers, quads, stages, act_quant_sim):
     """Compiled, the warp-specialized programs (`mosaic_consumers`: a memory warpgroup issuing the loads, a compute
     warpgroup a 64-row block, the compute warpgroups' registers raised by `setmaxnreg`) fold each block as the tile

@@ -57,6 +57,7 @@ from dsjax.layers import moe as _moe
 ROWS = 64           # weight rows a program: wgmma's M
 BLOCK = 32          # FP4 scale block: one wgmma K step (32 e4m3 bytes)
 QUAD = 128          # columns of one activation scale block: four weight scale blocks, one u32 word of their scales
+CONSUMERS = (1, 2)  # compute warpgroups a program (`tile_gemm`'s consumers) run on a GPU: 4 hung an H100 (2026-12-06)
 
 # Thread (warp w, lane l) of the warpgroup holds words [r, 4b + l % 4] for r = 16w + l // 4 (+ 8), every block b:
 # the same rows and K quarter as its registers of wgmma's A fragment (WGMMA_LAYOUT_8BIT).
@@ -438,7 +439,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     program, for more programs an SM. Tile grid only; K / 128 a multiple of 4 (16-byte rows of scale words).
     consumers: 1 = one warpgroup a program, computing and loading; > 1 = programs of `consumers` x 64 rows, one
     compute warpgroup a 64-row block on one load pipeline with its own memory warpgroup (`mosaic_fp4_consumers`):
-    the same outputs, bit for bit. Tile grid only.
+    the same outputs, bit for bit. Tile grid only. 1 or 2 (`CONSUMERS`): 4 never finished on an H100 (not traced).
+    H100 (docs/benchmarks.md "Warp-specialized programs"): 2 are 6-16% slower than 1 at 4-8 tokens, 9-12% at one;
+    opt-in.
     pdl: launch as a programmatic dependent (Hopper PDL, `plgpu.griddepcontrol_wait` first thing in each program,
     before any input is read): the launch and the programs' set-up overlap the previous kernel's end.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
@@ -464,9 +467,10 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         raise ValueError(f"moe_gemm mosaic_fp4: programs must be 0 (a program a unit) or more, got {programs}")
     if (pdl or stream_scales or consumers != 1) and programs:
         raise ValueError("moe_gemm mosaic_fp4: pdl, stream_scales and consumers are tile grid options (programs=0)")
-    if consumers < 1 or n_out % (consumers * ROWS) or consumers > 1 and (pdl or stream_scales):
-        raise ValueError(f"moe_gemm mosaic_fp4: consumers {consumers} must be >= 1 with n_out {n_out} a multiple of "
-                         f"{ROWS} x consumers (and no pdl or stream_scales with more than one)")
+    if consumers not in CONSUMERS or n_out % (consumers * ROWS) or consumers > 1 and (pdl or stream_scales):
+        raise ValueError(f"moe_gemm mosaic_fp4: consumers {consumers} must be one of {CONSUMERS} (4 stopped an H100: "
+                         f"docs/kernels.md), with n_out {n_out} a multiple of {ROWS} x consumers and no pdl or "
+                         f"stream_scales with more than one")
     if stream_scales and not streams_scales(K, block_k):
         raise ValueError(f"moe_gemm mosaic_fp4: stream_scales needs K / {QUAD} a multiple of the "
                          f"{scale_block_words(block_k)} scale words a streamed block holds, got K {K}")
@@ -654,7 +658,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
                 early_sums=early_sums, pdl=pdl, quad_waits=quad_waits, interpret=interpret)
-    wgs = lambda rows: consumers if rows % (consumers * ROWS) == 0 else 1  # noqa: E731
+    wgs = lambda rows: consumers if consumers not in CONSUMERS or rows % (consumers * ROWS) == 0 else 1  # noqa: E731
     splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
     stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 

@@ -12,6 +12,11 @@ gives up (the pipeline's `setmaxnreg` split: one program an SM).
 Each consumer folds its 64 rows with `StepMath.fold` exactly as a tile-grid program does (the same blocks, scales
 and order), so the outputs equal the tile grid's bit for bit; the side operands (the pairs' x scales and weights,
 each consumer's rows' block scales) are copied once by the memory warpgroup and waited for in the first step.
+
+Measured on an H100 (2026-12-06, docs/benchmarks.md "Warp-specialized programs"): bit for bit the tile grid's
+outputs, and slower — 2 consumers 6-16% at 4-8 tokens (4 stages the best), 9-12% at one token (96 programs of 128
+rows leave 36 SMs idle): three one-warpgroup programs an SM compute more than two warpgroups with a third loading.
+4 consumers never finished (not traced), so `tile_gemm` takes only 1 or 2 (`mosaic_fp4.CONSUMERS`). Opt-in.
 """
 
 import jax
