@@ -57,7 +57,8 @@ from dsjax.layers import moe as _moe
 ROWS = 64           # weight rows a program: wgmma's M
 BLOCK = 32          # FP4 scale block: one wgmma K step (32 e4m3 bytes)
 QUAD = 128          # columns of one activation scale block: four weight scale blocks, one u32 word of their scales
-CONSUMERS = (1, 2)  # compute warpgroups a program (`tile_gemm`'s consumers) run on a GPU: 4 hung an H100 (2026-12-06)
+CONSUMERS = (1, 2)  # compute warpgroups a program (`tile_gemm`'s consumers) run on a GPU: 4 hung an H100 (2026-12-06;
+                    # likely jax's setmaxnreg split asking 488 register slots of the 480 a 5-warpgroup CTA gets)
 
 # Thread (warp w, lane l) of the warpgroup holds words [r, 4b + l % 4] for r = 16w + l // 4 (+ 8), every block b:
 # the same rows and K quarter as its registers of wgmma's A fragment (WGMMA_LAYOUT_8BIT).
@@ -439,7 +440,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     program, for more programs an SM. Tile grid only; K / 128 a multiple of 4 (16-byte rows of scale words).
     consumers: 1 = one warpgroup a program, computing and loading; > 1 = programs of `consumers` x 64 rows, one
     compute warpgroup a 64-row block on one load pipeline with its own memory warpgroup (`mosaic_fp4_consumers`):
-    the same outputs, bit for bit. Tile grid only. 1 or 2 (`CONSUMERS`): 4 never finished on an H100 (not traced).
+    the same outputs, bit for bit. Tile grid only. 1 or 2 (`CONSUMERS`): 4 never finished on an H100.
     H100 (docs/benchmarks.md "Warp-specialized programs"): 2 are 6-16% slower than 1 at 4-8 tokens, 9-12% at one;
     opt-in.
     pdl: launch as a programmatic dependent (Hopper PDL, `plgpu.griddepcontrol_wait` first thing in each program,

@@ -16,7 +16,9 @@ each consumer's rows' block scales) are copied once by the memory warpgroup and 
 Measured on an H100 (2026-12-06, docs/benchmarks.md "Warp-specialized programs"): bit for bit the tile grid's
 outputs, and slower — 2 consumers 6-16% at 4-8 tokens (4 stages the best), 9-12% at one token (96 programs of 128
 rows leave 36 SMs idle): three one-warpgroup programs an SM compute more than two warpgroups with a third loading.
-4 consumers never finished (not traced), so `tile_gemm` takes only 1 or 2 (`mosaic_fp4.CONSUMERS`). Opt-in.
+4 consumers never finished — likely the pipeline's register split: `setmaxnreg.inc` asks 4 x 112 + 40 register
+slots a thread of a 5-warpgroup CTA that launched with 5 x 96 and waits forever — so `tile_gemm` takes only 1 or 2
+(`mosaic_fp4.CONSUMERS`). Opt-in.
 """
 
 import jax
