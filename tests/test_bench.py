@@ -76,10 +76,15 @@ def test_slice_specs_and_configs():
 
 @pytest.fixture(scope="module")
 def tiny_slice():
+    """Its tests share an xdist_group: one worker draws the weights (32 compiled programs)."""
     from dsjax.bench.slices import slice_model
     return slice_model("slice:tiny-v4:2", max_seq_len=512)
 
 
+tiny_slice_group = pytest.mark.xdist_group("bench_tiny_slice")
+
+
+@tiny_slice_group
 def test_loop_rig_commits_the_forced_acceptance(tiny_slice):
     r = time_loop(tiny_slice, batch=2, ctx=40, k=1, acceptance_length=2.0, steps=4, steps_per_dispatch=2)
     assert r["steps"] == 4 and r["acceptance"] == "simulated"
@@ -87,6 +92,7 @@ def test_loop_rig_commits_the_forced_acceptance(tiny_slice):
     assert r["ms_per_step"] > 0
 
 
+@tiny_slice_group
 def test_repro_writes_the_report(tmp_path, tiny_slice):
     from dsjax.bench import repro
     from dsjax.cli import build_parser
@@ -242,11 +248,15 @@ def test_full_depth_extrapolates_v41_per_layer_kind_and_the_1m_fit_stays_nonnega
 @pytest.fixture(scope="module")
 def v41_slice():
     """tiny-v41's first 5 representative layers: window, window + Engram, ratio-2 source and Reuse (encoder),
-    the ratio-1 source (decoder)."""
+    the ratio-1 source (decoder). Its tests share an xdist_group: one worker draws the weights (40 programs)."""
     from dsjax.bench.slices import slice_model
     return slice_model("slice:tiny-v41:5", max_seq_len=256)
 
 
+v41_slice_group = pytest.mark.xdist_group("bench_v41_slice")
+
+
+@v41_slice_group
 def test_prefill_schedules_run_on_a_v41_slice(v41_slice):
     """`bench prefill --schedule replay` times the CED replay (encoder chunks, then the decoder over the last
     window) of one ragged prompt; V4 refuses the replay; a V4.1 proxy depth lies within the encoder layers."""
@@ -264,6 +274,7 @@ def test_prefill_schedules_run_on_a_v41_slice(v41_slice):
         schedule_steps(slice_config(2, 8, family="tiny-v4", pattern="model"), "replay", 40)
 
 
+@v41_slice_group
 def test_loop_rig_times_dspark_on_a_v41_slice(v41_slice):
     """V4.1 slices draft with DSpark in the timed loop (`bench tp`, `ablate`, `repro`'s extrapolation): forced
     acceptance commits k + 1 tokens a step; the floor counts DSpark's stages and head."""
