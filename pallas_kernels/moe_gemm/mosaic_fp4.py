@@ -265,6 +265,16 @@ def store_unit(accs, o_s, out_ref, pair_weights, *, t, rows, split, split_out: b
     plgpu.copy_smem_to_gmem(o_s, out_ref.at[t, rows])
 
 
+def unit_outputs(n_lin: int, k_splits: int, T: int, n_out: int, N: int, tiles: tuple = ()):
+    """(a `tile_gemm` kernel's out_type, its shared-memory output tile for `store_unit`): the fp32 partials
+    [n_lin, k_splits, T, n_out, N] through an [n_lin, 64, N] tile when K is split, else the bf16 [T, n_out, N]
+    through a [64, N] one; `tiles`: leading axes of the tile (one a consumer warpgroup)."""
+    if k_splits > 1:
+        return (jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32),
+                plgpu.SMEM((*tiles, n_lin, ROWS, N), jnp.float32))
+    return jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16), plgpu.SMEM((*tiles, ROWS, N), jnp.bfloat16)
+
+
 def epilogue(accs, weight, swiglu_limit):
     """fp32 sums of one Linear (y) or two (gate, up) -> bf16: y rounded, or h = round(swiglu(round(g), round(u)) ·
     weight) — the Triton kernels' fused epilogue; in the kernel, or after `tile_gemm`'s K splits are added."""
@@ -570,15 +580,14 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                                   interp=interp)
         head = expert_rows(experts)
     else:
+        out_type, o_tile = unit_outputs(n_lin, k_splits, T, n_out, N)
         kernel = plgpu.kernel(
-            body, out_type=(jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32) if split_out else
-                            jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16)),
+            body, out_type=out_type,
             grid=(T, n_out // ROWS, k_splits), grid_names=("t", "r", "s"),
             scratch_types=[
                 *side_types,                                                        # expert, x scales, weights
                 *([] if stream_scales else [plgpu.SMEM((n_lin, 4 * Q, 16), jnp.uint32)]),  # rows' weight scales
-                (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else        # the output tile: partials
-                 plgpu.SMEM((ROWS, N), jnp.bfloat16)),                              # or the epilogue's
+                o_tile,                                                             # the output tile
                 plgpu.Barrier(num_barriers=2 + fp8 + (0 if stream_scales else n_lin)),
             ],
             interpret=interp)

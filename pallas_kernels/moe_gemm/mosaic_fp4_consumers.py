@@ -21,7 +21,6 @@ slots a thread of a 5-warpgroup CTA that launched with 5 x 96 and waits forever 
 (`mosaic_fp4.CONSUMERS`). Opt-in.
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -36,7 +35,7 @@ def consumers_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_s
     `expert_rows` of the tile experts first): -> bf16 [T, n_out, N], or with k_splits > 1 the fp32 partials
     [n_lin, k_splits, T, n_out, N] (unused tiles' rows undefined)."""
     from dsjax.kernels.moe_gemm.mosaic_fp4 import (QUAD, ROWS, kernel_refs, pair_rows_spec, store_unit,
-                                                   weight_block_spec)
+                                                   unit_outputs, weight_block_spec)
 
     fp8, nb, n_lin, N = step_math.fp8, step_math.nb, step_math.n_lin, step_math.N
     C = consumers
@@ -96,9 +95,9 @@ def consumers_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_s
                 max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=C, compute_context=compute)(
                     x_ref, *w_refs)
 
+    out_type, o_tiles = unit_outputs(n_lin, k_splits, T, n_out, N, tiles=(C,))
     return plgpu.kernel(
-        body, out_type=(jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32) if split_out else
-                        jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16)),
+        body, out_type=out_type,
         grid=(T, n_out // (C * ROWS), k_splits), grid_names=("t", "r", "s"),
         num_threads=C + 1, thread_name="wg",
         scratch_types=[
@@ -106,8 +105,7 @@ def consumers_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_s
             plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),                          # the pairs' x scales
             plgpu.SMEM((N,), jnp.float32),                                          # their routing weights
             plgpu.SMEM((C * n_lin, 4 * Q, 16), jnp.uint32),                         # each consumer's row scales
-            (plgpu.SMEM((C, n_lin, ROWS, N), jnp.float32) if split_out else         # each consumer's output tile
-             plgpu.SMEM((C, ROWS, N), jnp.bfloat16)),
+            o_tiles,                                                                # each consumer's output tile
             plgpu.Barrier(num_barriers=1 + n_side),
         ],
         interpret=interp)

@@ -23,7 +23,6 @@ of it, and with the FP4 decode its reads stay ahead, so likely one warpgroup's s
 scaled sums) bounds an SM here.
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -76,7 +75,7 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
     `used_tiles` in place of the tile experts): -> bf16 [T, n_out, N], or with k_splits > 1 the fp32 partials
     [n_lin, k_splits, T, n_out, N] (unused tiles' rows undefined)."""
     from dsjax.kernels.moe_gemm.mosaic_fp4 import (QUAD, ROWS, kernel_refs, pair_rows_spec, store_unit,
-                                                   weight_block_spec)
+                                                   unit_outputs, weight_block_spec)
 
     fp8, nb, n_lin, N = step_math.fp8, step_math.nb, step_math.n_lin, step_math.N
     W, Q = block_k // 8, K // QUAD
@@ -166,15 +165,14 @@ def persistent_kernel(step_math, *, T: int, n_out: int, K: int, block_k: int, k_
                                 max_concurrent_steps=stages, init_carry=zeros)(x_ref, *w_refs)
             plgpu.wait_smem_to_gmem(0)
 
+    out_type, o_tile = unit_outputs(n_lin, k_splits, T, n_out, N)
     return plgpu.kernel(
-        body, out_type=(jax.ShapeDtypeStruct((n_lin, k_splits, T, n_out, N), jnp.float32) if split_out else
-                        jax.ShapeDtypeStruct((T, n_out, N), jnp.bfloat16)),
+        body, out_type=out_type,
         grid=(programs,), grid_names=("p",),
         scratch_types=[
             plgpu.SMEM((T + 1, 4), jnp.int32),                                      # the used tiles, their count
             *[plgpu.SMEM(shape, dtype) for shape, dtype in side_buffers(fp8, Q, N, n_lin)],
-            (plgpu.SMEM((n_lin, ROWS, N), jnp.float32) if split_out else            # the output tile: partials
-             plgpu.SMEM((ROWS, N), jnp.bfloat16)),                                  # or the epilogue's
+            o_tile,                                                                 # the output tile
             plgpu.Barrier(num_barriers=1 + 2 * n_side),
         ],
         interpret=interp)
