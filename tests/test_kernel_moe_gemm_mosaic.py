@@ -232,12 +232,14 @@ def _check_mosaic(got, want):
 
 @pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
 @pytest.mark.parametrize("n,k_splits,pairs,scatter,route,programs", [
-    (1, 1, 8, False, False, 0), (8, 1, 8, False, False, 0), (1, 2, 8, False, False, 0), (8, 1, 16, True, False, 0),
+    (1, 1, 8, False, False, 0), (8, 1, 8, False, False, 0), (1, (2, 1), 8, False, False, 0),
+    (8, 1, 16, True, False, 0),
     (8, 1, 8, False, True, 0), (8, 2, 8, False, False, 7)])
 def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatter, route, programs, act_quant_sim):
     """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8 or 16, x and h codes in the kernel's column
     order, the slots gathered back by compares or — prefill sizes, forced here — by a scatter; K split over two
-    programs where asked; the slots from `route_slots` where asked; the persistent launch of 7 programs where asked)
+    programs where asked, (2, 1) the up GEMM's only; the slots from `route_slots` where asked; the persistent launch
+    of 7 programs where asked)
     against the reference: duplicate experts across tokens, picks held by another shard, a token with no local
     expert (`test_kernel_moe_gemm._case`)."""
     if scatter:
@@ -261,6 +263,9 @@ def test_refuses_what_it_cannot_run(test_seed):
     codes, scales, xt, xs, experts, pw, w1_, _ = _tile_case(test_seed, True)
     with pytest.raises(ValueError, match="k_splits 3 must divide"):
         mosaic_fp4.tile_gemm(xt, xs, experts, [w1_], k_splits=3, interpret=True)
+    with pytest.raises(ValueError, match="an \\(up, down\\) pair"):
+        moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
+                 implementation="pallas", interpret=True, fp4_kernel="mosaic", mosaic_k_splits=(2, 0))
     with pytest.raises(ValueError, match="fp4_kernel"):
         moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
                  implementation="pallas", interpret=True, fp4_kernel="cuda")

@@ -626,9 +626,18 @@ def default_options(n_pairs: int, n_experts: int) -> dict:
     return dict(stages=2, pairs=pairs)
 
 
+def gemm_splits(k_splits) -> tuple[int, int]:
+    """`moe_gemm`'s k_splits as (up, down): one int serves both GEMMs."""
+    pair = (k_splits, k_splits) if isinstance(k_splits, int) else tuple(k_splits)
+    if len(pair) != 2 or not all(isinstance(s, int) and s >= 1 for s in pair):
+        raise ValueError(f"moe_gemm mosaic_fp4: k_splits must be a positive int or an (up, down) pair of them, "
+                         f"got {k_splits!r}")
+    return pair
+
+
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
-             block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True, k_splits: int = 1,
-             interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
+             block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True,
+             k_splits: int | tuple[int, int] = 1, interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
              programs: int = 0, early_sums: bool = False, pdl: bool = False, quad_waits: bool = False,
              stream_scales: bool = False, consumers: int = 1):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
@@ -642,7 +651,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     `tile_operands` (one Triton launch each for x and h), else the same in XLA ops (`tile_operands_xla`).
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
     XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
-    whose K steps it divides (else 1). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
+    whose K steps it divides (else 1); a pair (up, down) gives each GEMM its own (one decode token runs 192 up
+    programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
     one program an SM, for both GEMMs). early_sums, pdl, quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales
     too, for each GEMM whose contraction can (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for
     each GEMM whose rows it divides (else 1)."""
@@ -669,14 +679,15 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
                 early_sums=early_sums, pdl=pdl, quad_waits=quad_waits, interpret=interpret)
     wgs = lambda rows: consumers if consumers not in CONSUMERS or rows % (consumers * ROWS) == 0 else 1  # noqa: E731
-    splits = lambda K: k_splits if (K // block_k) % k_splits == 0 else 1  # noqa: E731
+    up_splits, down_splits = gemm_splits(k_splits)
+    splits = lambda K, n: n if (K // block_k) % n == 0 else 1  # noqa: E731
     stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
-                  k_splits=splits(D), stream_scales=stream(D), consumers=wgs(I), **opts)   # [T, I, N]
+                  k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I), **opts)   # [T, I, N]
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I)                             # h's columns as stored
-    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I), stream_scales=stream(I), consumers=wgs(D),
+    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I, down_splits), stream_scales=stream(I), consumers=wgs(D),
                   **opts)                                                            # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)
