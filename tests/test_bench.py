@@ -409,7 +409,8 @@ def test_looped_timer_keeps_every_output():
 
 def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     """`bench moe_read_ceiling`: the loads-only kernels (interpreted) XOR exactly the words of their experts' rows,
-    K split included, an unused tile reads nothing; the persistent launch too, with a program past the end (15
+    K split included, from the weights in `tile_major` layout too (the same words a step), an unused tile reads
+    nothing; the persistent launch too, with a program past the end (15
     programs of 8 steps over 112: the last has none), folding the FP4 decode's words in step order, and both
     projections' reads in one persistent launch (each group as its own persistent launch folds it); each part is
     timed; an option set the kernel refuses is reported and the run goes on; unknown options are refused with exit
@@ -422,7 +423,7 @@ def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     from lower_h200 import lower_for_h200
 
     out = tmp_path / "r.jsonl"
-    assert moe_read_ceiling.main(["--smoke", "--tokens", "1", "--configs", '[{"k_splits": 2}, {"k_splits": 3}, {"programs": 15, "decode": true}]',
+    assert moe_read_ceiling.main(["--smoke", "--tokens", "1", "--configs", '[{"k_splits": 2, "tiled": true}, {"k_splits": 3}, {"programs": 15, "decode": true}]',
                                   "--out", str(out)]) == 0
     head, *recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert head["shapes"]["k"] == 6
@@ -431,6 +432,7 @@ def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     assert {r["options"].get("programs") for r in timed if r["part"] == "one launch"} == {15}
     assert timed[0]["bytes"] == 6 * 2 * 512 * 512 // 2
     assert {r["options"].get("programs") for r in timed} == {None, 15}
+    assert {r["options"].get("tiled") for r in timed} == {True, None}
     (refused,) = [r for r in recs if "error" in r]
     assert refused["options"] == {"k_splits": 3} and "whole steps" in refused["error"]
     with pytest.raises(SystemExit) as exc:

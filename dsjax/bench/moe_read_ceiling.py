@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dsjax.kernels.common import every_bit, fp4_e4m3_words, fp4_words, gpu_interpret
 from dsjax.kernels.moe_gemm.mosaic_fp4 import ROWS, WORDS_LAYOUT, expert_rows, weight_block_spec, weight_spec
 
-READ_OPTIONS = ("block_k", "stages", "k_splits", "programs", "decode")
+READ_OPTIONS = ("block_k", "stages", "k_splits", "programs", "decode", "tiled")
 
 
 def absorb(acc, words, decode: bool):
@@ -50,20 +50,37 @@ def absorb(acc, words, decode: bool):
     return (acc ^ even) + odd
 
 
+def tile_major(words, block_k: int = 256):
+    """u32 [E, n_out, K / 8] -> [E, n_out / 64, K / block_k, 64, block_k / 8]: the same words, each program step's
+    box (64 rows x one step's words: 8 KB at 256 columns) one contiguous run of memory instead of 64 runs of 128
+    bytes, 2 KB apart at K = 4,096 (the stored layout). Do the reads pace by the DRAM pages each step opens?"""
+    E, n_out, Kw = words.shape
+    W = block_k // 8
+    return words.reshape(E, n_out // ROWS, ROWS, Kw // W, W).transpose(0, 1, 3, 2, 4)
+
+
 def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits: int = 1, programs: int = 0,
                decode: bool = False, interpret=None):
     """The loads of `tile_gemm`'s weight pipeline alone. stacks: u32 words [E, n_out, K / 8] (one per Linear a
     program reads: gate and up, or down); experts int32 [T] (-1: a tile that reads nothing). -> u32 [T, k_splits,
     n_out, block_k / 8]: every word a program read folded in by `absorb` (so no load can be dropped), in step
     order, by row and word slot. decode: also the GEMMs' FP4 decode (its ALU work, without the MMAs).
-    programs > 0: the persistent shape instead (`read_words_persistent`)."""
+    programs > 0: the persistent shape instead (`read_words_persistent`). Stacks in `tile_major` layout (5-D) are
+    read box by box from it: the same words a program and step, so the same result."""
     if programs:
         if k_splits != 1:
             raise ValueError("moe_read_ceiling: a persistent launch splits the steps itself (k_splits must be 1)")
         return read_words_persistent(stacks, experts, programs=programs, block_k=block_k, stages=stages,
                                      decode=decode, interpret=interpret)
-    E, n_out, Kw = stacks[0].shape
+    tiled = stacks[0].ndim == 5
     W = block_k // 8
+    if tiled:
+        if stacks[0].shape[-1] != W:
+            raise ValueError(f"moe_read_ceiling: tile_major stacks of {stacks[0].shape[-1]}-word steps, not {W}")
+        E, R, S = stacks[0].shape[:3]
+        n_out, Kw = R * ROWS, S * W
+    else:
+        E, n_out, Kw = stacks[0].shape
     if n_out % ROWS or Kw % (W * k_splits):
         raise ValueError(f"moe_read_ceiling: n_out {n_out} must be a multiple of {ROWS} and the {Kw} words a row "
                          f"whole steps of {W} for each of {k_splits} splits")
@@ -86,7 +103,9 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
                     acc = absorb(acc, plgpu.load(w_s, layout=WORDS_LAYOUT), decode)
                 return acc
 
-            spec = weight_spec(W, e, r, split * steps)
+            spec = (plgpu.BlockSpec((None, None, None, ROWS, W), lambda k: (e, r, split * steps + k, 0, 0),
+                                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+                    if tiled else weight_spec(W, e, r, split * steps))
             zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
             acc = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec] * n, max_concurrent_steps=stages,
                                       init_carry=zero)(*w_refs)
@@ -245,6 +264,12 @@ def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smok
     gate, up, down = stacks
     D, I = dims
     opts = dict(cfg, interpret=True) if smoke else dict(cfg)
+    if opts.pop("tiled", False):                # the weights laid out once, before any timing
+        if cfg.get("programs"):
+            raise ValueError("moe_read_ceiling: tiled is a tile grid option (programs 0)")
+        gate_t, up_t, down_t = (jax.block_until_ready(tile_major(st, cfg.get("block_k", 256))) for st in stacks)
+    else:
+        gate_t, up_t, down_t = stacks
     up_fn = jax.jit(lambda g, u, x: read_words([g, u], x, **opts))
     down_fn = jax.jit(lambda d, x: read_words([d], x, **opts))
     both_fn = jax.jit(lambda g, u, d, x: (read_words([g, u], x, **opts), read_words([d], x, **opts)))
@@ -252,8 +277,8 @@ def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smok
     one_fn = jax.jit(lambda g, u, d, x: read_words_one_launch([[g, u], [d]], x, **persistent))
     if smoke:                                   # the contract, on the interpreter, with an unused tile last
         tiles = jnp.append(experts, -1)
-        got = up_fn(gate, up, tiles)
-        ref_opts = {k: v for k, v in cfg.items() if k not in ("stages", "programs")}
+        got = up_fn(gate_t, up_t, tiles)
+        ref_opts = {k: v for k, v in cfg.items() if k not in ("stages", "programs", "tiled")}
         if cfg.get("programs"):
             want = read_words_persistent_reference([gate, up], tiles, programs=cfg["programs"], **ref_opts)
             np.testing.assert_array_equal(np.asarray(got), want)
@@ -268,9 +293,9 @@ def measure(n: int, n_experts: int, cfg: dict, experts, stacks, dims, copy, smok
     nbytes = {"up": n_experts * 2 * I * D // 2, "down": n_experts * D * I // 2}     # FP4 codes: half a byte each
     nbytes["both"] = nbytes["one launch"] = nbytes["up"] + nbytes["down"]
     timer = functools.partial(time_us_looped, **(dict(repeat=1, rounds=1) if smoke else {}))
-    calls = {"up": (lambda x, g, u: up_fn(g, u, x), (experts, gate, up)),
-             "down": (lambda x, d: down_fn(d, x), (experts, down)),
-             "both": (lambda x, g, u, d: both_fn(g, u, d, x), (experts, gate, up, down))}
+    calls = {"up": (lambda x, g, u: up_fn(g, u, x), (experts, gate_t, up_t)),
+             "down": (lambda x, d: down_fn(d, x), (experts, down_t)),
+             "both": (lambda x, g, u, d: both_fn(g, u, d, x), (experts, gate_t, up_t, down_t))}
     if cfg.get("programs"):                     # both projections' reads in one persistent launch
         calls["one launch"] = (lambda x, g, u, d: one_fn(g, u, d, x), (experts, gate, up, down))
     out = []
