@@ -5,15 +5,18 @@ Issue 8 asks ≥ 75% of the copy rate at 1-8 decode tokens. At one token the who
 the kernels' work (FP4 decode, wgmma, scales, the pipeline's waits) or the shape itself (192 programs of 16
 serial 256-column steps, two launches)? This times kernels that do only the loads — the same grid, BlockSpec,
 tiling, swizzle and pipeline stages as `moe_gemm.mosaic_fp4.tile_gemm`, each step XOR-ing its words into a
-register carry (the codes only: the GEMMs' block scales add 1/16 of their bytes) — for the up projection (gate + up, K = D) and the down projection (K = I) of the distinct experts
-a random top-k routing of n tokens picks, one launch each and both in one jit, beside the torch copy rate of the
-same run. If the read-only pair is itself under 75%, no kernel of this shape meets the target, and the next
-design is a different grid (more programs, a K split, one persistent launch: `programs`), not a faster step.
+register carry (the codes only: the GEMMs' block scales add 1/16 of their bytes) — for the up projection (gate +
+up, K = D) and the down projection (K = I) of the distinct experts a random top-k routing of n tokens picks, one
+launch each and both in one jit, beside the torch copy rate of the same run. If the read-only pair is itself under
+75%, no kernel of this shape meets the target, and the next design is a different grid (more programs, a K split,
+one persistent launch: `programs`), not a faster step. `tiled` reads the same words from weights laid out once so
+that each step's box is contiguous (`tile_major`): does the stored layout's page pattern cost reads?
 
     python -m dsjax.bench.moe_read_ceiling --tokens 1,2,4,8 --configs '[{}, {"stages": 3}, {"k_splits": 2}]'
     python -m dsjax.bench.moe_read_ceiling --configs '[{"programs": 132}, {"programs": 132, "stages": 4}]'
     python -m dsjax.bench.moe_read_ceiling --configs '[{"decode": true}, {"programs": 132, "decode": true}]'
     python -m dsjax.bench.moe_read_ceiling --tokens 1,2,8 --configs '[{"programs": 132, "stages": 4}]'  # + one launch
+    python -m dsjax.bench.moe_read_ceiling --configs '[{}, {"tiled": true}]'
     python -m dsjax.bench.moe_read_ceiling --smoke        # tiny shapes, interpreted (a CPU check)
 
 Prints µs per launch and the share of the copy rate; --out writes JSON lines. With `programs`, a fourth part,

@@ -637,9 +637,9 @@ def gemm_splits(k_splits) -> tuple[int, int]:
 
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True,
-             k_splits: int | tuple[int, int] = 1, interpret=None, codes_kernel: bool = True, pairs: int | None = None, route_kernel: bool = False,
-             programs: int = 0, early_sums: bool = False, pdl: bool = False, quad_waits: bool = False,
-             stream_scales: bool = False, consumers: int = 1):
+             k_splits: int | tuple[int, int] = 1, interpret=None, codes_kernel: bool = True,
+             pairs: int | None = None, route_kernel: bool = False, programs: int = 0, early_sums: bool = False,
+             pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -652,10 +652,10 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
     XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1); a pair (up, down) gives each GEMM its own (one decode token runs 192 up
-    programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs: `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch,
-    one program an SM, for both GEMMs). early_sums, pdl, quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales
-    too, for each GEMM whose contraction can (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for
-    each GEMM whose rows it divides (else 1)."""
+    programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs: `tile_gemm`'s
+    (0: the tile grid; e.g. 132: the persistent launch, one program an SM, for both GEMMs). early_sums, pdl,
+    quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales too, for each GEMM whose contraction can
+    (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for each GEMM whose rows it divides (else 1)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -685,7 +685,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
 
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
-                  k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I), **opts)   # [T, I, N]
+                  k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I), **opts)  # [T, I, N]
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I)                             # h's columns as stored
     y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I, down_splits), stream_scales=stream(I), consumers=wgs(D),
                   **opts)                                                            # [T, D, N]
