@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_kernel_moe_gemm
 from test_kernel_moe_gemm import LIMIT, _case
 
 from dsjax import quant
@@ -241,15 +242,23 @@ def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatte
     programs where asked, (2, 1) the up GEMM's only; the slots from `route_slots` where asked; the persistent launch
     of 7 programs where asked)
     against the reference: duplicate experts across tokens, picks held by another shard, a token with no local
-    expert (`test_kernel_moe_gemm._case`)."""
+    expert (`test_kernel_moe_gemm._case`). A split case runs D = I = 512 (two steps a contraction: at 256 a split
+    has nothing to split, and the op quietly runs 1), and checks which splits each GEMM ran."""
     if scatter:
         monkeypatch.setattr(route_slots_mod, "SCATTER_PAIRS", 0)
+    ran = []
+    if k_splits != 1:
+        for dim in ("D", "I"):
+            monkeypatch.setattr(test_kernel_moe_gemm, dim, 512)
+        tile_gemm = mosaic_fp4.tile_gemm
+        monkeypatch.setattr(mosaic_fp4, "tile_gemm", lambda *a, **o: ran.append(o["k_splits"]) or tile_gemm(*a, **o))
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                 act_quant_sim=act_quant_sim, act_quant_block=128,
                                                 implementation=impl, **o))
     got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic", mosaic_k_splits=k_splits,
               mosaic_pairs=pairs, mosaic_route_kernel=route, mosaic_programs=programs)
+    assert ran == list(mosaic_fp4.gemm_splits(k_splits) if k_splits != 1 else [])   # up, then down
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
 
