@@ -423,8 +423,8 @@ def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     from lower_h200 import lower_for_h200
 
     out = tmp_path / "r.jsonl"
-    assert moe_read_ceiling.main(["--smoke", "--tokens", "1", "--configs", '[{"k_splits": 2, "tiled": true}, {"k_splits": 3}, {"programs": 15, "decode": true}]',
-                                  "--out", str(out)]) == 0
+    configs = '[{"k_splits": 2, "tiled": true}, {"k_splits": 3}, {"programs": 15, "decode": true}]'
+    assert moe_read_ceiling.main(["--smoke", "--tokens", "1", "--configs", configs, "--out", str(out)]) == 0
     head, *recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert head["shapes"]["k"] == 6
     timed = [r for r in recs if "us" in r]

@@ -106,9 +106,8 @@ def read_words(stacks, experts, *, block_k: int = 256, stages: int = 2, k_splits
                     acc = absorb(acc, plgpu.load(w_s, layout=WORDS_LAYOUT), decode)
                 return acc
 
-            spec = (plgpu.BlockSpec((None, None, None, ROWS, W), lambda k: (e, r, split * steps + k, 0, 0),
-                                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
-                    if tiled else weight_spec(W, e, r, split * steps))
+            spec = (weight_block_spec(W, lambda k: (e, r, split * steps + k, 0, 0), squeezed=3) if tiled
+                    else weight_spec(W, e, r, split * steps))
             zero = plgpu.layout_cast(jnp.zeros((ROWS, W), jnp.uint32), WORDS_LAYOUT)
             acc = plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec] * n, max_concurrent_steps=stages,
                                       init_carry=zero)(*w_refs)

@@ -224,9 +224,11 @@ def weight_spec(W: int, expert, row_block, first_step):
     return weight_block_spec(W, lambda k: (expert, row_block, first_step + k))
 
 
-def weight_block_spec(W: int, index_map, rows: int = ROWS):
-    """`weight_spec` with any map of the pipeline step to (expert, `rows`-row block, W-word column block)."""
-    return plgpu.BlockSpec((None, rows, W), index_map,
+def weight_block_spec(W: int, index_map, rows: int = ROWS, squeezed: int = 1):
+    """`weight_spec` with any map of the pipeline step to (expert, `rows`-row block, W-word column block); with
+    `squeezed` > 1, to a block of a stack with that many leading axes taken whole-index (e.g. a layout whose
+    (row block, step) boxes are contiguous), the last two being the box's rows and words."""
+    return plgpu.BlockSpec((*[None] * squeezed, rows, W), index_map,
                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
 
 
