@@ -101,8 +101,11 @@ def check_blocks_teacher_forced(variant):
     assert np.mean(within) >= 0.99 and min(within) >= 0.93
 
 
-# per variant: median per-position max|Δ|, overall max|Δ|, argmax agreement (see the module docstring)
-TOLERANCES = {"bf16": (0.5, 2.0, 0.85), "fp8": (0.8, 2.0, 0.8)}
+# per variant: median per-position max|Δ|, overall max|Δ|, argmax agreement (see the module docstring). The CPU
+# moves them too: XLA:CPU's codegen ISA alone (`--xla_cpu_max_isa` SSE4_2 / AVX / AVX2 on one AMD EPYC, which sets
+# fp32 reduction orders) gave fp8's long prompt argmax agreement 80.4 / 73.9 / 78.3% and medians 0.66 / 0.78 /
+# 0.77, bf16's 88-95% and 0.28-0.42 (2026-12-06); fp8's bounds sit below / above that spread.
+TOLERANCES = {"bf16": (0.5, 2.0, 0.85), "fp8": (0.9, 2.0, 0.7)}
 
 
 def check_prefill_logits(variant, prompt):
