@@ -127,6 +127,7 @@ def test_v41_decode_logits(bug):
         print(f"decode with the bug switch vs without: {np.round(split, 3).tolist()}")
         assert split[0] == 0 and split[1] > 0.5
 
+
 def test_v41_through_the_public_api():
     """dsjax.load on the official-layout directory gives a V4.1 Model whose logits (model.forward dispatches to
     v41_model) follow the golden prefill within test_golden_v41's tolerance. (Model.generate runs the same
