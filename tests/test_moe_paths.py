@@ -249,17 +249,24 @@ def assert_route_weights(w, ref_w, x, gate, ids, rows=slice(None)):
     assert (err <= rtol[rows]).all(), f"relative error {err.max():.3g} over the bound {rtol[rows].min():.3g}"
 
 
+def assert_decided_rows_match_spec(w, ids, ref_w, ref_ids, margin, x, gate):
+    """On the rows fp32 cannot reorder at the k-th pick (`decided_rows`): the same experts, in expert order, with
+    weights within `assert_route_weights`' bound. Returns the decided rows."""
+    decided = decided_rows(margin, x, gate)
+    (ids_e, w_e), (ref_ids_e, ref_w_e) = by_expert(ids, w), by_expert(ref_ids, ref_w)
+    np.testing.assert_array_equal(ids_e[decided], ref_ids_e[decided])
+    assert_route_weights(w_e, ref_w_e, x, gate, ids_e, decided)
+    return decided
+
+
 def test_route_score_layers_match_spec(test_seed):
     rng = np.random.default_rng([test_seed, 41])
     cfg, x, gate, bias = route_case(rng)
     tokens = np.zeros(len(x), np.int32)
     w, ids = run_route(cfg, x, tokens, gate_only(gate, bias))
     ref_w, ref_ids, margin = spec_route(x, gate, bias, None, tokens, cfg.n_activated_experts, cfg.route_scale)
-    decided = decided_rows(margin, x, gate)  # fp32 may order a closer boundary pair either way
+    decided = assert_decided_rows_match_spec(w, ids, ref_w, ref_ids, margin, x, gate)
     assert decided.mean() > 0.95
-    (ids_e, w_e), (ref_ids_e, ref_w_e) = by_expert(ids, w), by_expert(ref_ids, ref_w)
-    np.testing.assert_array_equal(ids_e[decided], ref_ids_e[decided])
-    assert_route_weights(w_e, ref_w_e, x, gate, ids_e, decided)
     np.testing.assert_allclose(w.sum(1), cfg.route_scale, rtol=1e-6)
 
 
@@ -274,10 +281,7 @@ def test_route_bias_selects_but_does_not_weigh(test_seed):
     w, ids = run_route(cfg, x, tokens, gate_only(gate, bias))
     assert (ids[:, 0] == 5).all()  # top_k returns the largest biased score first
     ref_w, ref_ids, margin = spec_route(x, gate, bias, None, tokens, cfg.n_activated_experts, cfg.route_scale)
-    decided = decided_rows(margin, x, gate)
-    (ids_e, w_e), (ref_ids_e, ref_w_e) = by_expert(ids, w), by_expert(ref_ids, ref_w)
-    np.testing.assert_array_equal(ids_e[decided], ref_ids_e[decided])
-    assert_route_weights(w_e, ref_w_e, x, gate, ids_e, decided)
+    assert_decided_rows_match_spec(w, ids, ref_w, ref_ids, margin, x, gate)
     scores = np.sqrt(np.logaddexp(0.0, x.astype(np.float64) @ gate.astype(np.float64).T))
     chosen = np.take_along_axis(scores, ids, axis=1)
     assert_route_weights(w[:, :1], chosen[:, :1] / chosen.sum(1, keepdims=True) * cfg.route_scale, x, gate, ids)
@@ -321,9 +325,6 @@ def test_route_in_bf16_model_input_matches_spec(test_seed):
     gb = gate.astype(ml_dtypes.bfloat16)
     tokens = np.zeros(len(x), np.int32)
     w, ids = run_route(cfg, xb, tokens, gate_only(gb, bias))
-    ref_w, ref_ids, margin = spec_route(xb.astype(np.float32), gb.astype(np.float32), bias, None, tokens,
-                                        cfg.n_activated_experts, cfg.route_scale)
-    decided = decided_rows(margin, xb.astype(np.float32), gb.astype(np.float32))
-    (ids_e, w_e), (ref_ids_e, ref_w_e) = by_expert(ids, w), by_expert(ref_ids, ref_w)
-    np.testing.assert_array_equal(ids_e[decided], ref_ids_e[decided])
-    assert_route_weights(w_e, ref_w_e, xb.astype(np.float32), gb.astype(np.float32), ids_e, decided)
+    x32, g32 = xb.astype(np.float32), gb.astype(np.float32)
+    ref_w, ref_ids, margin = spec_route(x32, g32, bias, None, tokens, cfg.n_activated_experts, cfg.route_scale)
+    assert_decided_rows_match_spec(w, ids, ref_w, ref_ids, margin, x32, g32)
