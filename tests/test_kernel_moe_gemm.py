@@ -3,7 +3,6 @@ active experts, ragged_dot) and the Triton-lowered Pallas kernels (the HLO inter
 as NaN, so anything unwritten shows) vs the reference for bf16 / FP8-block / packed-FP4 expert weights, experts shared across tokens,
 expert-parallel style picks (weight 0, repeated clipped ids), tokens with no local expert, n = 1 and n = 8."""
 
-import functools
 import types
 
 import jax
@@ -22,25 +21,19 @@ E, D, I, K = 8, 256, 256, 3          # scaled down from 256 experts x (7168 -> 2
 LIMIT = 1.0                          # the clamp bites: gate/up values are ~N(0, 0.8)
 
 
+def _stack(key, out, inn, fmt):
+    return stored_linear(jax.random.normal(key, (E, out, inn), jnp.float32) * 0.05, *BLOCKS[fmt])
+
+
 def _case(seed, fmt, n):
-    """(x, weights, ids, w1, w3, w2) at the module's E, D, I, K (read per call: some tests raise D and I)."""
-    return _case_program(jax.random.key(seed), fmt=fmt, n=n, dims=(E, D, I, K))
-
-
-@functools.partial(jax.jit, static_argnames=("fmt", "n", "dims"))
-def _case_program(key, *, fmt, n, dims):
-    """One compiled program for a case's weights and routing (eagerly, the quantizers are ~100 small compiles)."""
-    E_, D_, I_, K_ = dims
-    ks = jax.random.split(key, 6)
-    stack = lambda k, out, inn: stored_linear(jax.random.normal(k, (E_, out, inn), jnp.float32) * 0.05,  # noqa: E731
-                                              *BLOCKS[fmt])
-    w1, w3, w2 = stack(ks[0], I_, D_), stack(ks[1], I_, D_), stack(ks[2], D_, I_)
-    x = jax.random.normal(ks[3], (n, D_), jnp.float32).astype(jnp.bfloat16)
-    ids = jax.random.randint(ks[4], (n, K_), 0, E_ // 2 if n > 1 else E_).astype(jnp.int32)  # E/2: shared experts
-    weights = jax.random.uniform(ks[5], (n, K_), jnp.float32, 0.1, 1.0)
+    ks = jax.random.split(jax.random.key(seed), 6)
+    w1, w3, w2 = _stack(ks[0], I, D, fmt), _stack(ks[1], I, D, fmt), _stack(ks[2], D, I, fmt)
+    x = jax.random.normal(ks[3], (n, D), jnp.float32).astype(jnp.bfloat16)
+    ids = jax.random.randint(ks[4], (n, K), 0, E // 2 if n > 1 else E).astype(jnp.int32)  # E/2: shared experts
+    weights = jax.random.uniform(ks[5], (n, K), jnp.float32, 0.1, 1.0)
     if n > 1:
         ids = ids.at[1].set(ids[0])                          # two tokens with the same experts
-        ids = ids.at[2].set(jnp.array([E_ - 1, E_ - 1, 1]))  # EP: non-local picks clipped to E-1, weight 0
+        ids = ids.at[2].set(jnp.array([E - 1, E - 1, 1]))    # EP: non-local picks clipped to E-1, weight 0
         weights = weights.at[2, :2].set(0.0)
         weights = weights.at[3].set(0.0)                     # a token routed to no local expert
     return x, weights, ids, w1, w3, w2
