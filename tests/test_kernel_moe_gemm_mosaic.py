@@ -366,9 +366,9 @@ def test_compiled_matches_triton_kernels_and_reference_on_gpu(test_seed, n, pair
     double-buffered side operands and reused output tile): the Mosaic op equals the reference and the Triton
     kernels within `_check_mosaic`'s bound, and the persistent launch equals the tile grid bit for bit."""
     x, weights, ids, w1, w3, w2 = case = _case(test_seed, "fp4", n)
-    run = lambda impl, **o: np.asarray(moe_gemm_jit(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
-                                                    act_quant_sim=act_quant_sim, act_quant_block=128,
-                                                    implementation=impl, **o))
+    run = lambda impl, **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                                act_quant_sim=act_quant_sim, act_quant_block=128,
+                                                implementation=impl, **o))
     got = run("pallas", interpret=False, fp4_kernel="mosaic", mosaic_pairs=pairs, mosaic_route_kernel=route,
               mosaic_programs=programs, mosaic_stages=4 if programs else None)
     assert np.isfinite(got).all()
@@ -392,9 +392,9 @@ def test_early_sums_and_pdl_equal_the_default_on_gpu(test_seed, n, early, pdl, q
     scales are the same words, and the programmatic launch only moves when the programs start: each must leave the
     op's output unchanged, bit for bit."""
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
-    run = lambda **o: np.asarray(moe_gemm_jit(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
-                                              act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
-                                              interpret=False, fp4_kernel="mosaic", **o))
+    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
+                                          interpret=False, fp4_kernel="mosaic", **o))
     got = run(mosaic_early_sums=early, mosaic_pdl=pdl, mosaic_quad_waits=quads, mosaic_stream_scales=stream)
     np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
 
@@ -407,9 +407,9 @@ def test_consumer_warpgroups_equal_the_default_on_gpu(test_seed, n, consumers, q
     warpgroup a 64-row block, the compute warpgroups' registers raised by `setmaxnreg`) fold each block as the tile
     grid does: the op's output bit for bit."""
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
-    run = lambda **o: np.asarray(moe_gemm_jit(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
-                                              act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
-                                              interpret=False, fp4_kernel="mosaic", mosaic_quad_waits=quads, **o))
+    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
+                                          interpret=False, fp4_kernel="mosaic", mosaic_quad_waits=quads, **o))
     got = run(mosaic_consumers=consumers, mosaic_stages=stages)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
