@@ -26,15 +26,33 @@ def _routing(seed, n, k=6):
     return w, ids.astype(jnp.int32)
 
 
+def _check_kernel_equals_xla_form(got, want, pairs):
+    for name in ("experts", "slot_of", "found"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+    slots = got.experts.shape[0] * pairs          # the flat offsets: the kernel's one longer (its spare element)
+    for name in ("x_offset", "h_offset"):
+        assert getattr(want, name).shape == (slots,) and getattr(got, name).shape == (slots + 1,), name
+        np.testing.assert_array_equal(np.asarray(getattr(got, name))[:slots], np.asarray(getattr(want, name)),
+                                      err_msg=name)
+    # merged repeats: the same fp32 terms summed, maybe in another order (route's top-k never repeats)
+    np.testing.assert_allclose(np.asarray(got.pair_weight), np.asarray(want.pair_weight), rtol=2.0 ** -22)
+
+
 @pytest.mark.parametrize("n,pairs", [(1, 8), (3, 8), (8, 8), (8, 16), (10, 24)])
 def test_kernel_equals_xla_form(test_seed, n, pairs):
     w, ids = _routing(test_seed, n)
-    got = route_slots(w, ids, E, pairs, D, I, interpret=True)
-    want = route_slots_xla(w, ids, E, pairs, D, I)
-    for name in ("experts", "x_offset", "h_offset", "slot_of", "found"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
-    # merged repeats: the same fp32 terms summed, maybe in another order (route's top-k never repeats)
-    np.testing.assert_allclose(np.asarray(got.pair_weight), np.asarray(want.pair_weight), rtol=2.0 ** -22)
+    _check_kernel_equals_xla_form(route_slots(w, ids, E, pairs, D, I, interpret=True),
+                                  route_slots_xla(w, ids, E, pairs, D, I), pairs)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("n,pairs", [(1, 8), (8, 8), (10, 24)])
+def test_compiled_kernel_equals_xla_form_on_gpu(test_seed, n, pairs, warps):
+    """Compiled, with each warp count the op may ask for (`moe_gemm(..., route_warps=)`)."""
+    w, ids = _routing(test_seed, n)
+    _check_kernel_equals_xla_form(route_slots(w, ids, E, pairs, D, I, interpret=False, warps=warps),
+                                  route_slots_xla(w, ids, E, pairs, D, I), pairs)
 
 
 @pytest.mark.parametrize("n,pairs", [(1, 8), (8, 8), (10, 24), (60, 8)])
@@ -43,6 +61,7 @@ def test_xla_form_holds_every_live_pair_once(test_seed, n, pairs):
     weight (`xla.merged_pair_weights`: the fp32 sums the op defines) is not 0."""
     w, ids = _routing(test_seed, n)
     sl = jax.tree.map(np.asarray, route_slots_xla(w, ids, E, pairs, D, I))
+    sl = sl._replace(x_offset=sl.x_offset.reshape(-1, pairs), h_offset=sl.h_offset.reshape(-1, pairs))
     merged = np.asarray(merged_pair_weights(w, ids))
     k = ids.shape[1]
     for t in range(n):

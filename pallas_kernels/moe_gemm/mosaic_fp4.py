@@ -640,7 +640,8 @@ def gemm_splits(k_splits) -> tuple[int, int]:
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True,
              k_splits: int | tuple[int, int] = 1, interpret=None, codes_kernel: bool = True,
-             pairs: int | None = None, route_kernel: bool = False, programs: int = 0, early_sums: bool = False,
+             pairs: int | None = None, route_kernel: bool = False, route_warps: int | None = None,
+             programs: int = 0, early_sums: bool = False,
              pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
@@ -652,7 +653,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     kernel stored it ([T, I, N]) and y comes back to its pairs from [T, D, N]: no transposes between. codes_kernel:
     `tile_operands` (one Triton launch each for x and h), else the same in XLA ops (`tile_operands_xla`).
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
-    XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU. k_splits: `tile_gemm`'s, for each GEMM
+    XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU; route_warps: its warps (default
+    `route_slots.ROUTE_WARPS`). k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1); a pair (up, down) gives each GEMM its own (one decode token runs 192 up
     programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs: `tile_gemm`'s
     (0: the tile grid; e.g. 132: the persistent launch, one program an SM, for both GEMMs). early_sums, pdl,
@@ -674,7 +676,10 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     if pairs % 8 or not 8 <= pairs <= 256:
         raise ValueError(f"moe_gemm mosaic_fp4: pairs a tile must be a multiple of 8 from 8 to 256, got {pairs}")
     triton_interp = None if interpret is None else bool(interpret)
-    route = route_slots if route_kernel and P <= ROUTE_PAIRS else route_slots_xla
+    if route_kernel and P <= ROUTE_PAIRS:
+        route = functools.partial(route_slots, **({} if route_warps is None else dict(warps=route_warps)))
+    else:
+        route = route_slots_xla
     sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp)
     tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
@@ -685,10 +690,11 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     splits = lambda K, n: n if (K // block_k) % n == 0 else 1  # noqa: E731
     stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 
-    xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D)
+    slots = (sl.experts.shape[0], pairs)
+    xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D, shape=slots)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
                   k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I), **opts)  # [T, I, N]
-    ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I)                             # h's columns as stored
+    ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I, shape=slots)              # h's columns as stored
     y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I, down_splits), stream_scales=stream(I), consumers=wgs(D),
                   **opts)                                                            # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))

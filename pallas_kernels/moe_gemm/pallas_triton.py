@@ -346,7 +346,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              in_kernel_quant: bool = False, codes_kernel: bool = True, fp4_kernel: str | None = None,
              mosaic_block_k: int = 256, mosaic_stages: int | None = None, mosaic_wait_per_linear: bool = True,
              mosaic_k_splits: int | tuple[int, int] = 1, mosaic_pairs: int | None = None,
-             mosaic_route_kernel: bool = False, mosaic_programs: int = 0, mosaic_early_sums: bool = False,
+             mosaic_route_kernel: bool = False, mosaic_route_warps: int | None = None, mosaic_programs: int = 0,
+             mosaic_early_sums: bool = False,
              mosaic_pdl: bool = False, mosaic_quad_waits: bool = False, mosaic_stream_scales: bool = False,
              mosaic_consumers: int = 1):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
@@ -369,9 +370,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     fp4_kernel "mosaic": its A tiles, codes and all, from `tile_operands`, else from XLA ops).
     fp4_kernel: "mosaic" — FP4 experts on `mosaic_fp4` (Mosaic GPU: the codes moved to e4m3 — or, with bf16
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
-    mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs / mosaic_route_kernel / mosaic_programs /
-    mosaic_early_sums / mosaic_pdl / mosaic_quad_waits / mosaic_stream_scales / mosaic_consumers are its
-    options, stages and pairs by default `mosaic_fp4.default_options`); "triton" — these kernels; default
+    mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs / mosaic_route_kernel / mosaic_route_warps /
+    mosaic_programs / mosaic_early_sums / mosaic_pdl / mosaic_quad_waits / mosaic_stream_scales / mosaic_consumers
+    are its options, stages and pairs by default `mosaic_fp4.default_options`); "triton" — these kernels; default
     (`default_fp4_kernel`): "mosaic" where it applies, compiled on a GPU, at every batch size (H200,
     docs/benchmarks.md "FP4 experts on FP8 tensor cores", "... wider tiles at prefill": 1.3-2.8x these kernels at
     1-64 tokens, 1.7-2.4x at 1-2k tokens)."""
@@ -392,7 +393,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
                                    block_k=mosaic_block_k, stages=mosaic_stages,
                                    wait_per_linear=mosaic_wait_per_linear, k_splits=mosaic_k_splits,
                                    interpret=interpret, codes_kernel=codes_kernel, pairs=mosaic_pairs,
-                                   route_kernel=mosaic_route_kernel, programs=mosaic_programs,
+                                   route_kernel=mosaic_route_kernel, route_warps=mosaic_route_warps,
+                                   programs=mosaic_programs,
                                    early_sums=mosaic_early_sums, pdl=mosaic_pdl, quad_waits=mosaic_quad_waits,
                                    stream_scales=mosaic_stream_scales, consumers=mosaic_consumers)
     n, k = ids.shape

@@ -19,14 +19,17 @@ from jax.experimental.pallas import triton as plt
 from dsjax.kernels.common import gather, iota, pow2_ceil, triton_interpret, triton_params
 
 ROUTE_PAIRS = 64     # pairs one program maps ([P, P] compares: 8 tokens of top-6 are 48)
+ROUTE_WARPS = 4      # the program's warps
 SCATTER_PAIRS = 1024  # above this many pairs the XLA form's unsort is a scatter (the compare matrix is pairs x slots)
 
 
 class Slots(NamedTuple):
     """The op's per-tile inputs. T tiles of N slots; a tile's pairs are one expert's, in the reference's order."""
     experts: jax.Array      # int32 [T]: the tile's expert, -1 = no tile
-    x_offset: jax.Array     # int32 [T, N]: the slot's token row start in x, flat (token x D); -1 = empty slot
-    h_offset: jax.Array     # int32 [T, N]: the slot's column of h [T, I, N], flat (t x I x N + slot); -1 = empty
+    x_offset: jax.Array     # int32 [>= T x N], slot (t, n) at t x N + n: its token row start in x, flat (token x D);
+                            # -1 = empty slot. Flat, and from the kernel one longer: `tile_operands` reads it as
+                            # stored (a slice would be a copy kernel of its own between two custom calls)
+    h_offset: jax.Array     # int32, as x_offset: the slot's column of h [T, I, N], flat (t x I x N + slot)
     pair_weight: jax.Array  # fp32 [T, N]: the slot's routing weight (repeats merged); 0 = empty
     slot_of: jax.Array      # int32 [P]: each pair's slot (t x N + slot), pairs in each token's ascending-expert order
     found: jax.Array        # bool [P]: the pair has a slot (False: weight 0, or a pick of another shard)
@@ -62,15 +65,17 @@ def route_slots_xla(weights, ids, n_experts: int, pairs: int, D: int, I: int, in
         target = jnp.where(valid.reshape(-1), flat, P)                   # invalid slots: out of bounds, dropped
         slot_of = jnp.full((P,), -1, jnp.int32).at[target].set(slots, mode="drop")   # -1: no slot (one scatter)
         slot_of, found = jnp.maximum(slot_of, 0), slot_of >= 0
-    return Slots(tiles[:, 0], jnp.where(valid, original // k * D, -1), jnp.where(valid, t_of * I * pairs + slot, -1),
-                 jnp.where(valid, pw_sorted[pair], 0.0), slot_of, found)
+    return Slots(tiles[:, 0], jnp.where(valid, original // k * D, -1).reshape(-1),
+                 jnp.where(valid, t_of * I * pairs + slot, -1).reshape(-1), jnp.where(valid, pw_sorted[pair], 0.0),
+                 slot_of, found)
 
 
-def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interpret=None) -> Slots:
+def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interpret=None,
+                warps: int = ROUTE_WARPS) -> Slots:
     """`Slots` in one Triton program, tiles indexed by pair (T = P, as the counted map makes them). Each pick
     finds its place in its token's ascending-expert order, its merged weight, its rank among the pairs (by key,
     then place) and so its tile and slot, by compares with every other pick; then every slot is written once —
-    by its pair, or as empty by the tile's own row of the map."""
+    by its pair, or as empty by the tile's own row of the map. warps: the program's (its [P, P] work spread)."""
     n, k = ids.shape
     P, N, E = n * k, pairs, n_experts
     if P > ROUTE_PAIRS:
@@ -123,7 +128,6 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
     experts, x_off, h_off, pw, slot_of, found = pl.pallas_call(
         body, out_shape=(i32(P), i32(P * N), i32(P * N), jax.ShapeDtypeStruct((P * N + 1,), jnp.float32), i32(P),
                          i32(P)),
-        grid=(1,), compiler_params=triton_params(4, 1), interpret=triton_interpret(interpret),
+        grid=(1,), compiler_params=triton_params(warps, 1), interpret=triton_interpret(interpret),
         name="moe_route_slots")(ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32))
-    grid = lambda a: a[:P * N].reshape(P, N)  # noqa: E731
-    return Slots(experts[:P], grid(x_off), grid(h_off), grid(pw), slot_of[:P], found[:P] != 0)
+    return Slots(experts[:P], x_off, h_off, pw[:P * N].reshape(P, N), slot_of[:P], found[:P] != 0)

@@ -32,22 +32,30 @@ def source_column(j, fp8: bool):
     return 8 * ((j // 2) % 4) + j // 8 + 4 * (j % 2)
 
 
-def _check(src, row_offset, K: int, block: int):
+def _check(src, row_offset, K: int, block: int, shape) -> tuple[int, int]:
+    """The tiles and slots (T, N): row_offset's shape, or `shape` for a flat row_offset of at least T x N."""
     if K % block or block % QUAD:
         raise ValueError(f"tile_operands: {K} columns must be whole scale blocks of {block}, a multiple of {QUAD}")
-    if src.ndim != 1 or row_offset.ndim != 2:
-        raise ValueError(f"tile_operands: src must be flat and row_offset [T, N], got {src.shape}, {row_offset.shape}")
+    if src.ndim != 1:
+        raise ValueError(f"tile_operands: src must be flat, got {src.shape}")
     if src.size >= 2 ** 31:
         raise ValueError(f"tile_operands: {src.size} source elements; int32 row offsets address fewer than 2^31")
+    if row_offset.ndim == 2 and shape in (None, row_offset.shape):
+        return row_offset.shape
+    if row_offset.ndim == 1 and shape is not None and len(shape) == 2 and row_offset.size >= shape[0] * shape[1]:
+        return tuple(shape)
+    raise ValueError(f"tile_operands: row_offset must be [T, N], or flat with at least T x N entries and "
+                     f"shape=(T, N); got {row_offset.shape} with shape={shape}")
 
 
-def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD, interpret=None):
-    """src: the rows' values, flat (bf16); row_offset [T, N] int32: where slot (t, n)'s row starts in src (-1: an
-    empty slot, zeros); column c of that row lies at row_offset + c * col_stride. -> (x_tiles [T, K / 32, N, 32]:
+def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD, shape=None,
+                  interpret=None):
+    """src: the rows' values, flat (bf16); row_offset [T, N] int32 (or flat, slot (t, n) at t x N + n, with
+    shape=(T, N); entries past T x N are not read): where slot (t, n)'s row starts in src (-1: an empty slot,
+    zeros); column c of that row lies at row_offset + c * col_stride. -> (x_tiles [T, K / 32, N, 32]:
     e4m3 codes (codes) or the values, columns in `mma_columns` order; x_scales [T, K / 128, N] fp32, 0 for empty
     slots, or None). codes: quantized per `block` columns of a row, equal to `quant.fp8_e4m3_codes(row, block)`."""
-    _check(src, row_offset, K, block)
-    T, N = row_offset.shape
+    T, N = _check(src, row_offset, K, block, shape)
     G = block // BLOCK                                   # 32-column blocks a program
     S = min(N, SLOTS)                                    # slots a program
     R = pow2_ceil(G * S)                                 # rows of a program's register tile
@@ -90,13 +98,13 @@ def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, bloc
     return (tiles, outs[1].reshape(T, K // QUAD, N)) if codes else (tiles, None)
 
 
-def tile_operands_xla(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD,
+def tile_operands_xla(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD, shape=None,
                       interpret=None):
     """`tile_operands`' contract in XLA ops: gather the rows, quantize them (`quant.fp8_e4m3_codes`), move the
     columns (`mosaic_fp4.mma_columns`) and the axes."""
     del interpret
-    _check(src, row_offset, K, block)
-    T, N = row_offset.shape
+    T, N = _check(src, row_offset, K, block, shape)
+    row_offset = row_offset.reshape(-1)[:T * N].reshape(T, N)
     ok = row_offset >= 0
     rows = src[jnp.where(ok, row_offset, 0)[..., None] + jnp.arange(K, dtype=jnp.int32) * col_stride]
     rows = jnp.where(ok[..., None], rows, jnp.zeros((), src.dtype))                   # [T, N, K]
