@@ -640,7 +640,7 @@ def gemm_splits(k_splits) -> tuple[int, int]:
 def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, act_quant_block: int,
              block_k: int = 256, stages: int | None = None, wait_per_linear: bool = True,
              k_splits: int | tuple[int, int] = 1, interpret=None, codes_kernel: bool = True,
-             pairs: int | None = None, route_kernel: bool = False, route_warps: int | None = None,
+             pairs: int | None = None, route_kernel: bool | None = None, route_warps: int | None = None,
              programs: int = 0, early_sums: bool = False,
              pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
@@ -653,8 +653,10 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     kernel stored it ([T, I, N]) and y comes back to its pairs from [T, D, N]: no transposes between. codes_kernel:
     `tile_operands` (one Triton launch each for x and h), else the same in XLA ops (`tile_operands_xla`).
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
-    XLA's ~9 small kernels (`route_slots_xla`); off until timed on a GPU; route_warps: its warps (default
-    `route_slots.ROUTE_WARPS`). k_splits: `tile_gemm`'s, for each GEMM
+    XLA's small kernels (`route_slots_xla`); default (None): the program from 2 tokens to `ROUTE_PAIRS` pairs, XLA's
+    one-token map at one token (H100, 2026-12-06, docs/benchmarks.md "The routing program by default":
+    the op's kernels 1.3-5% faster at 2-8 tokens, equal at one; outputs bit for bit the same); route_warps: its
+    warps (default `route_slots.ROUTE_WARPS`; 8 and 16 were no faster). k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1); a pair (up, down) gives each GEMM its own (one decode token runs 192 up
     programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs: `tile_gemm`'s
     (0: the tile grid; e.g. 132: the persistent launch, one program an SM, for both GEMMs). early_sums, pdl,
@@ -676,6 +678,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     if pairs % 8 or not 8 <= pairs <= 256:
         raise ValueError(f"moe_gemm mosaic_fp4: pairs a tile must be a multiple of 8 from 8 to 256, got {pairs}")
     triton_interp = None if interpret is None else bool(interpret)
+    if route_kernel is None:
+        route_kernel = n > 1
     if route_kernel and P <= ROUTE_PAIRS:
         route = functools.partial(route_slots, **({} if route_warps is None else dict(warps=route_warps)))
     else:

@@ -346,7 +346,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              in_kernel_quant: bool = False, codes_kernel: bool = True, fp4_kernel: str | None = None,
              mosaic_block_k: int = 256, mosaic_stages: int | None = None, mosaic_wait_per_linear: bool = True,
              mosaic_k_splits: int | tuple[int, int] = 1, mosaic_pairs: int | None = None,
-             mosaic_route_kernel: bool = False, mosaic_route_warps: int | None = None, mosaic_programs: int = 0,
+             mosaic_route_kernel: bool | None = None, mosaic_route_warps: int | None = None, mosaic_programs: int = 0,
              mosaic_early_sums: bool = False,
              mosaic_pdl: bool = False, mosaic_quad_waits: bool = False, mosaic_stream_scales: bool = False,
              mosaic_consumers: int = 1):

@@ -5,8 +5,10 @@ Why: at decode the op's own kernels take ~170 µs at 8 tokens and its glue 18.6 
 2026-12-04, docs/benchmarks.md "The A tiles in one launch"): after the A tiles (`tile_operands`) most of it is
 this map — the per-token pick order, merged repeats, the counted tile map, the slot masks and the unsort
 compares, ~1 µs a launch. `route_slots` is all of it in one Triton program (up to `ROUTE_PAIRS` pairs: [P, P]
-compares in registers); `route_slots_xla` is the same contract in XLA ops (`pallas_triton.expert_pairs` and the
-masks), the path above that size and the kernel's check.
+compares in registers), the op's default from 2 tokens (H100, 2026-12-06: the op's kernels 1.3-5% faster at 2-8
+tokens; the program itself ~5 µs at 8 tokens whatever its warps); `route_slots_xla` is the same contract in XLA ops
+(`pallas_triton.expert_pairs` and the masks): one token's map (its pairs are tiles in place: no compares), the path
+above `ROUTE_PAIRS` and the kernel's check.
 """
 
 from typing import NamedTuple
