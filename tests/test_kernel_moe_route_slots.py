@@ -86,7 +86,9 @@ def test_xla_form_holds_every_live_pair_once(test_seed, n, pairs):
     assert ((sl.experts >= 0) == used.any(axis=1)).all()
 
 
-def test_refuses_more_pairs_than_a_program_maps():
+def test_refuses_more_pairs_than_a_program_maps_and_odd_warps():
     w, ids = _routing(0, ROUTE_PAIRS // 6 + 1)
     with pytest.raises(ValueError, match="at most"):
         route_slots(w, ids, E, 8, D, I, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        route_slots(*_routing(0, 2), E, 8, D, I, interpret=True, warps=6)

@@ -82,6 +82,8 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
     P, N, E = n * k, pairs, n_experts
     if P > ROUTE_PAIRS:
         raise ValueError(f"route_slots: {P} pairs; one program maps at most {ROUTE_PAIRS} (use route_slots_xla)")
+    if warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"route_slots: warps must be a power of two from 1 to 32, got {warps!r}")
     Pp, Np = pow2_ceil(P), pow2_ceil(N)
 
     def body(ids_ref, w_ref, experts_ref, x_ref, h_ref, pw_ref, slot_ref, found_ref):
