@@ -77,7 +77,7 @@ def mma_columns_inverse(a, fp8):
     return a.reshape(s[:-1] + (s[-1] // 32, 32))[..., inv].reshape(s)
 
 
-def test_refuses_partial_scale_blocks():
+def test_refuses_partial_scale_blocks_and_short_offsets():
     src = jnp.zeros((4 * 320,), jnp.bfloat16)
     off = jnp.zeros((1, 8), jnp.int32)
     with pytest.raises(ValueError, match="whole scale blocks"):
