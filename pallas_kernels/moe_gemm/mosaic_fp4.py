@@ -654,7 +654,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     `tile_operands` (one Triton launch each for x and h), else the same in XLA ops (`tile_operands_xla`).
     route_kernel: the tile slots from one Triton program (`route_slots`, up to `ROUTE_PAIRS` pairs) instead of
     XLA's small kernels (`route_slots_xla`); default (None): the program from 2 tokens to `ROUTE_PAIRS` pairs, XLA's
-    one-token map at one token (H100, 2026-12-06, docs/benchmarks.md "The routing program by default":
+    one-token map at one token (H100, 2026-12-06, docs/benchmarks.md "The routing program by default from 2 tokens":
     the op's kernels 1.3-5% faster at 2-8 tokens, equal at one; outputs bit for bit the same); route_warps: its
     warps (default `route_slots.ROUTE_WARPS`; 8 and 16 were no faster). k_splits: `tile_gemm`'s, for each GEMM
     whose K steps it divides (else 1); a pair (up, down) gives each GEMM its own (one decode token runs 192 up
@@ -662,7 +662,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     (0: the tile grid; e.g. 132: the persistent launch, one program an SM, for both GEMMs). early_sums, pdl,
     quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales too, for each GEMM whose contraction can
     (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for each GEMM whose rows it divides (else 1)."""
-    from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, route_slots, route_slots_xla
+    from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, ROUTE_WARPS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
 
@@ -681,7 +681,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     if route_kernel is None:
         route_kernel = n > 1
     if route_kernel and P <= ROUTE_PAIRS:
-        route = functools.partial(route_slots, **({} if route_warps is None else dict(warps=route_warps)))
+        route = functools.partial(route_slots, warps=ROUTE_WARPS if route_warps is None else route_warps)
     else:
         route = route_slots_xla
     sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp)
