@@ -239,12 +239,12 @@ def _check_mosaic(got, want):
 @pytest.mark.parametrize("n,k_splits,pairs,scatter,route,programs", [
     (1, 1, 8, False, False, 0), (8, 1, 8, False, False, 0), (1, (2, 1), 8, False, False, 0),
     (8, 1, 16, True, False, 0),
-    (8, 1, 8, False, True, 0), (8, 2, 8, False, False, 7)])
+    (8, 1, 8, False, None, 0), (8, 2, 8, False, False, 7)])   # None: the default, `route_slots` from 2 tokens
 def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatter, route, programs, act_quant_sim):
     """The whole op through `fp4_kernel="mosaic"` (pairs, tiles of 8 or 16, x and h codes in the kernel's column
     order, the slots gathered back by compares or — prefill sizes, forced here — by a scatter; K split over two
-    programs where asked, (2, 1) the up GEMM's only; the slots from `route_slots` where asked; the persistent launch
-    of 7 programs where asked)
+    programs where asked, (2, 1) the up GEMM's only; the slots from `route_slots` where the case leaves the choice
+    to the op (its default at 8 tokens, checked to run); the persistent launch of 7 programs where asked)
     against the reference: duplicate experts across tokens, picks held by another shard, a token with no local
     expert (`test_kernel_moe_gemm._case`). A split case runs D = I = 512 (two steps a contraction: at 256 a split
     has nothing to split, and the op quietly runs 1), and checks which splits each GEMM ran."""
@@ -256,13 +256,17 @@ def test_op_matches_reference(test_seed, monkeypatch, n, k_splits, pairs, scatte
             monkeypatch.setattr(test_kernel_moe_gemm, dim, 512)
         tile_gemm = mosaic_fp4.tile_gemm
         monkeypatch.setattr(mosaic_fp4, "tile_gemm", lambda *a, **o: ran.append(o["k_splits"]) or tile_gemm(*a, **o))
+    if route is None:
+        program = route_slots_mod.route_slots
+        monkeypatch.setattr(route_slots_mod, "route_slots", lambda *a, **o: ran.append("route") or program(*a, **o))
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
     run = lambda impl, **o: np.asarray(moe_gemm_jit(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
                                                     act_quant_sim=act_quant_sim, act_quant_block=128,
                                                     implementation=impl, **o))
     got = run("pallas", interpret=None if on_gpu else True, fp4_kernel="mosaic", mosaic_k_splits=k_splits,
               mosaic_pairs=pairs, mosaic_route_kernel=route, mosaic_programs=programs)
-    assert ran == list(mosaic_fp4.gemm_splits(k_splits) if k_splits != 1 else [])   # up, then down
+    splits = list(mosaic_fp4.gemm_splits(k_splits)) if k_splits != 1 else []
+    assert ran == (["route"] if route is None else []) + splits       # the routing program, then up and down
     assert np.isfinite(got).all()
     _check_mosaic(got, run("reference"))
 
