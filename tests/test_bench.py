@@ -407,6 +407,27 @@ def test_looped_timer_keeps_every_output():
     assert "sine" in hlo and "cosine" in hlo
 
 
+def test_chained_timer_writes_every_call_out():
+    """`time_us_chained` times calls the way a model step runs them: no while loop in the program, every call of
+    the chain present (each output feeds the next call: none is dead code or hoisted), and the per-call figure is
+    the difference of two chain lengths."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.bench.kernels import chained_calls, time_us_chained
+
+    x = jnp.arange(8, dtype=jnp.float32)
+    fn = lambda a: (jnp.sin(a), jnp.cos(a) * 3.0)  # noqa: E731
+    lowered = chained_calls(fn, 3).lower(x)
+    text = lowered.as_text()
+    assert text.count("stablehlo.sine") == 3 and text.count("stablehlo.cosine") == 3
+    compiled = lowered.compile().as_text()
+    assert "while" not in compiled and "sine" in compiled and "cosine" in compiled
+    assert float(chained_calls(fn, 3)(x)) == 0.0
+    us = time_us_chained(fn, x, short=1, long=3, rounds=1)
+    assert isinstance(us, float) and abs(us) < 1e6
+
+
 def test_moe_read_ceiling_reads_every_word(tmp_path, capsys):
     """`bench moe_read_ceiling`: the loads-only kernels (interpreted) XOR exactly the words of their experts' rows,
     K split included, from the weights in `tile_major` layout too (the same words a step), an unused tile reads

@@ -63,16 +63,42 @@ def time_us_looped(fn, *args, repeat: int = 100, rounds: int = 3) -> float:
     return time_us(looped_calls(fn, repeat), *args, calls=1, rounds=rounds) / repeat
 
 
+def linked_call(fn, rest, carry):
+    """One call of fn whose first input takes 0 x the previous call's outputs' first elements: (x, link) ->
+    (x, the next link). Chained, no call can be hoisted or dropped as dead code."""
+    x, link = carry
+    ys = jax.tree.leaves(fn(x + link.astype(x.dtype), *rest))
+    return x, sum(y.ravel()[0].astype(jnp.float32) for y in ys) * 0.0
+
+
 def looped_calls(fn, repeat: int):
     """`time_us_looped`'s jitted loop: `repeat` calls of fn, each call's first input linked to every output of the
     call before."""
-    def body(rest, i, carry):
-        x, link = carry
-        ys = jax.tree.leaves(fn(x + link.astype(x.dtype), *rest))
-        return x, sum(y.ravel()[0].astype(jnp.float32) for y in ys) * 0.0
-
+    body = lambda rest, i, carry: linked_call(fn, rest, carry)  # noqa: E731
     return jax.jit(lambda x, *rest: jax.lax.fori_loop(0, repeat, functools.partial(body, rest),
                                                       (x, jnp.float32(0.0)))[1])
+
+
+def chained_calls(fn, repeat: int):
+    """`repeat` linked calls of fn written out one after another in one jitted program: no loop, so no loop
+    iteration's cost (XLA's while loop reads its predicate back each iteration) — the op as a model step runs it,
+    among the layers of one straight-line program."""
+    def chain(x, *rest):
+        carry = (x, jnp.float32(0.0))
+        for _ in range(repeat):
+            carry = linked_call(fn, rest, carry)
+        return carry[1]
+
+    return jax.jit(chain)
+
+
+def time_us_chained(fn, *args, short: int = 8, long: int = 24, rounds: int = 5) -> float:
+    """Device time per call with no loop: the extra time of `long` over `short` chained calls (`chained_calls`),
+    one dispatch each (best of `rounds`), / (long - short) — the dispatch and the chain's ends cancel, each further
+    call adds its kernels and the gaps between them. Can come out slightly off (or below 0) where a call is shorter
+    than the timing noise; the MoE op's 50-200 µs are not."""
+    t = {n: time_us(chained_calls(fn, n), *args, calls=1, rounds=rounds) for n in (short, long)}
+    return (t[long] - t[short]) / (long - short)
 
 
 def device_us(fn, *args, reps: int = 10) -> float:
@@ -91,12 +117,13 @@ def rel_diff(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us, kernel_timer=None):
+def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us, extra_timers=None):
     """Time run("xla") and run("pallas", **config) per config on the same inputs; emit one record each, the
     Pallas ones with their difference from XLA's output. A config that fails to compile is reported, not fatal.
-    kernel_timer (e.g. `device_us`): also each call's kernels alone, as `kernel_us` (the looped timer's ~5-8 µs a
-    call of loop and glue is no part of a model step: docs/benchmarks.md, the read ceiling on an H100)."""
-    kernels = (lambda fn: {"kernel_us": kernel_timer(fn, *args)}) if kernel_timer else (lambda fn: {})  # noqa: E731
+    extra_timers: {field: timer}, each call also timed so — e.g. `kernel_us` by `device_us` (its kernels alone)
+    and `chained_us` by `time_us_chained` (no loop): the looped timer's ~5-8 µs a call of loop and link is no
+    part of a model step (docs/benchmarks.md, the read ceiling on an H100)."""
+    kernels = lambda fn: {k: t(fn, *args) for k, t in (extra_timers or {}).items()}  # noqa: E731
     xla_fn = run("xla")
     want = xla_fn(*args)
     t_xla = timer(xla_fn, *args)
@@ -468,7 +495,8 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, activations=activations, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
                          chosen + previous + list(extra), timer=time_us_looped if looped else time_us,
-                         kernel_timer=device_us if looped and not smoke else None)
+                         extra_timers=dict(kernel_us=device_us, chained_us=time_us_chained) if looped and not smoke
+                         else None)
         del lins
 
 
@@ -596,6 +624,8 @@ def main(argv=None) -> int:
             rec["of_copy_bw"] = rec["GBps"] / roof["copy_GBps"]
             if rec.get("kernel_us"):
                 rec["kernels_of_copy_bw"] = rec["bytes"] / rec["kernel_us"] / 1e3 / roof["copy_GBps"]
+            if rec.get("chained_us"):
+                rec["chained_of_copy_bw"] = rec["bytes"] / rec["chained_us"] / 1e3 / roof["copy_GBps"]
         if "xla_us" in rec and "us" in rec:
             rec["speedup_vs_xla"] = rec["xla_us"] / rec["us"]
         line = json.dumps(rec)
