@@ -407,6 +407,30 @@ def test_looped_timer_keeps_every_output():
     assert "sine" in hlo and "cosine" in hlo
 
 
+def test_timed_calls_hoist_nothing():
+    """Work that depends only on a call's other small inputs (the MoE op's routing: its weights and ids) stays in
+    every call: XLA's loop-invariant code motion moved it out of the timed loop while only the first input was
+    linked (seen in the compiled HLO, 2026-12-06), and a chain would share it."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.bench.kernels import chained_calls, looped_calls
+
+    x = jnp.arange(8, dtype=jnp.float32)
+    w, ids = jnp.linspace(0.0, 1.0, 8), jnp.arange(8, dtype=jnp.int32)
+    fn = lambda a, w, ids: a * jnp.sum(jnp.sin(w) * jnp.cos(ids.astype(jnp.float32)))  # noqa: E731
+    looped = looped_calls(fn, 4).lower(x, w, ids).compile().as_text()
+    blocks = [b for b in looped.split("\n\n") if "{" in b]      # the compiled program's computations
+    name = lambda b: b.split("(")[0].split()[-1].lstrip("%")  # noqa: E731
+    callers = lambda c: [b for b in blocks if f"calls=%{c}" in b or f"to_apply=%{c}" in b]  # noqa: E731
+    holders = [b for b in blocks if " sine(" in b or " cosine(" in b]
+    assert holders
+    for b in holders:                                   # no computation of them runs from the entry, before the loop
+        assert not b.lstrip().startswith("ENTRY") and not any(c.lstrip().startswith("ENTRY") for c in callers(name(b)))
+    chained = chained_calls(fn, 3).lower(x, w, ids).compile().as_text()
+    assert chained.count(" sine(") == 3 and chained.count(" cosine(") == 3
+
+
 def test_chained_timer_writes_every_call_out():
     """`time_us_chained` times calls the way a model step runs them: no while loop in the program, every call of
     the chain present (each output feeds the next call: none is dead code or hoisted), and the per-call figure is

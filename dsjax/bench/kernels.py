@@ -63,11 +63,29 @@ def time_us_looped(fn, *args, repeat: int = 100, rounds: int = 3) -> float:
     return time_us(looped_calls(fn, repeat), *args, calls=1, rounds=rounds) / repeat
 
 
+LINKED_ELEMENTS = 1 << 16   # inputs up to this size take the link too (the routing's weights and ids; not weights)
+
+
+def linked_input(a, link):
+    """a, made to depend on link (0 x the previous call's outputs) without changing a value: + link for floats, +
+    (link != link) (0, but not provably so: NaN) for integers. Other inputs pass as they are."""
+    if not isinstance(a, jax.Array) or a.size > LINKED_ELEMENTS:
+        return a
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return a + link.astype(a.dtype)
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return a + (link != link).astype(a.dtype)
+    return a
+
+
 def linked_call(fn, rest, carry):
-    """One call of fn whose first input takes 0 x the previous call's outputs' first elements: (x, link) ->
-    (x, the next link). Chained, no call can be hoisted or dropped as dead code."""
+    """One call of fn whose inputs take 0 x the previous call's outputs' first elements: (x, link) -> (x, the next
+    link). x and every small input of `rest` take it (`linked_input`): otherwise XLA hoists out of a loop (or shares
+    across a chain) what depends on them alone — the MoE op's routing glue depends only on the routing weights and
+    ids. So no call's work can be hoisted, shared or dropped as dead code; the large inputs (weight stacks) stay
+    as they are, as a model's layers read theirs."""
     x, link = carry
-    ys = jax.tree.leaves(fn(x + link.astype(x.dtype), *rest))
+    ys = jax.tree.leaves(fn(x + link.astype(x.dtype), *jax.tree.map(lambda a: linked_input(a, link), rest)))
     return x, sum(y.ravel()[0].astype(jnp.float32) for y in ys) * 0.0
 
 
