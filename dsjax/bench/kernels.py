@@ -110,7 +110,7 @@ def chained_calls(fn, repeat: int):
     return jax.jit(chain)
 
 
-def time_us_chained(fn, *args, short: int = 8, long: int = 24, rounds: int = 5) -> float:
+def time_us_chained(fn, *args, short: int = 16, long: int = 48, rounds: int = 7) -> float:
     """Device time per call with no loop: the extra time of `long` over `short` chained calls (`chained_calls`),
     one dispatch each (best of `rounds`), / (long - short) — the dispatch and the chain's ends cancel, each further
     call adds its kernels and the gaps between them. Can come out slightly off (or below 0) where a call is shorter
