@@ -56,8 +56,8 @@ def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:
 
 def time_us_looped(fn, *args, repeat: int = 100, rounds: int = 3) -> float:
     """Device time per call of a small op: `repeat` calls inside one jitted loop (one dispatch, so the host's
-    ~20-60 µs per dispatch drops out, as in the model's device-resident step). Each call's first input takes
-    0 x the last outputs' first elements, so no call can be hoisted out of the loop, and every output is used (a
+    ~20-60 µs per dispatch drops out, as in the model's device-resident step). Each call's inputs take
+    0 x the last outputs' first elements (`linked_call`), so no call can be hoisted out of the loop, and every output is used (a
     Pallas call whose output nothing reads is dead code to XLA: two kernels timed in one call would be one)."""
 
     return time_us(looped_calls(fn, repeat), *args, calls=1, rounds=rounds) / repeat
@@ -80,43 +80,21 @@ def linked_input(a, link):
 
 def linked_call(fn, rest, carry):
     """One call of fn whose inputs take 0 x the previous call's outputs' first elements: (x, link) -> (x, the next
-    link). x and every small input of `rest` take it (`linked_input`): otherwise XLA hoists out of a loop (or shares
-    across a chain) what depends on them alone — the MoE op's routing glue depends only on the routing weights and
-    ids. So no call's work can be hoisted, shared or dropped as dead code; the large inputs (weight stacks) stay
-    as they are, as a model's layers read theirs."""
+    link). x and every small input of `rest` take it (`linked_input`): otherwise XLA may hoist out of the loop what
+    depends on them alone (it does on the CPU; the MoE op's routing glue depends only on the routing weights and
+    ids). So no call's work can be hoisted or dropped as dead code; the large inputs (weight stacks) stay as they
+    are, as a model's layers read theirs."""
     x, link = carry
     ys = jax.tree.leaves(fn(x + link.astype(x.dtype), *jax.tree.map(lambda a: linked_input(a, link), rest)))
     return x, sum(y.ravel()[0].astype(jnp.float32) for y in ys) * 0.0
 
 
 def looped_calls(fn, repeat: int):
-    """`time_us_looped`'s jitted loop: `repeat` calls of fn, each call's first input linked to every output of the
-    call before."""
+    """`time_us_looped`'s jitted loop: `repeat` calls of fn, each call's inputs linked to every output of the call
+    before (`linked_call`)."""
     body = lambda rest, i, carry: linked_call(fn, rest, carry)  # noqa: E731
     return jax.jit(lambda x, *rest: jax.lax.fori_loop(0, repeat, functools.partial(body, rest),
                                                       (x, jnp.float32(0.0)))[1])
-
-
-def chained_calls(fn, repeat: int):
-    """`repeat` linked calls of fn written out one after another in one jitted program: no loop, so no loop
-    iteration's cost (XLA's while loop reads its predicate back each iteration) — the op as a model step runs it,
-    among the layers of one straight-line program."""
-    def chain(x, *rest):
-        carry = (x, jnp.float32(0.0))
-        for _ in range(repeat):
-            carry = linked_call(fn, rest, carry)
-        return carry[1]
-
-    return jax.jit(chain)
-
-
-def time_us_chained(fn, *args, short: int = 16, long: int = 48, rounds: int = 7) -> float:
-    """Device time per call with no loop: the extra time of `long` over `short` chained calls (`chained_calls`),
-    one dispatch each (best of `rounds`), / (long - short) — the dispatch and the chain's ends cancel, each further
-    call adds its kernels and the gaps between them. Can come out slightly off (or below 0) where a call is shorter
-    than the timing noise; the MoE op's 50-200 µs are not."""
-    t = {n: time_us(chained_calls(fn, n), *args, calls=1, rounds=rounds) for n in (short, long)}
-    return (t[long] - t[short]) / (long - short)
 
 
 def device_us(fn, *args, reps: int = 10) -> float:
@@ -138,9 +116,9 @@ def rel_diff(a, b) -> float:
 def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us, extra_timers=None):
     """Time run("xla") and run("pallas", **config) per config on the same inputs; emit one record each, the
     Pallas ones with their difference from XLA's output. A config that fails to compile is reported, not fatal.
-    extra_timers: {field: timer}, each call also timed so — e.g. `kernel_us` by `device_us` (its kernels alone)
-    and `chained_us` by `time_us_chained` (no loop): the looped timer's ~5-8 µs a call of loop and link is no
-    part of a model step (docs/benchmarks.md, the read ceiling on an H100)."""
+    extra_timers: {field: timer}, each call also timed so — e.g. `kernel_us` by `device_us` (its kernels alone:
+    the looped timer's ~5-8 µs a call of loop and link is no part of a model step; docs/benchmarks.md, the read
+    ceiling on an H100)."""
     kernels = lambda fn: {k: t(fn, *args) for k, t in (extra_timers or {}).items()}  # noqa: E731
     xla_fn = run("xla")
     want = xla_fn(*args)
@@ -513,8 +491,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, activations=activations, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
                          chosen + previous + list(extra), timer=time_us_looped if looped else time_us,
-                         extra_timers=dict(kernel_us=device_us, chained_us=time_us_chained) if looped and not smoke
-                         else None)
+                         extra_timers=dict(kernel_us=device_us) if looped and not smoke else None)
         del lins
 
 
@@ -642,8 +619,6 @@ def main(argv=None) -> int:
             rec["of_copy_bw"] = rec["GBps"] / roof["copy_GBps"]
             if rec.get("kernel_us"):
                 rec["kernels_of_copy_bw"] = rec["bytes"] / rec["kernel_us"] / 1e3 / roof["copy_GBps"]
-            if rec.get("chained_us"):
-                rec["chained_of_copy_bw"] = rec["bytes"] / rec["chained_us"] / 1e3 / roof["copy_GBps"]
         if "xla_us" in rec and "us" in rec:
             rec["speedup_vs_xla"] = rec["xla_us"] / rec["us"]
         line = json.dumps(rec)
