@@ -56,9 +56,10 @@ def time_us(fn, *args, calls: int = 20, rounds: int = 3) -> float:
 
 def time_us_looped(fn, *args, repeat: int = 100, rounds: int = 3) -> float:
     """Device time per call of a small op: `repeat` calls inside one jitted loop (one dispatch, so the host's
-    ~20-60 µs per dispatch drops out, as in the model's device-resident step). Each call's inputs take
-    0 x the last outputs' first elements (`linked_call`), so no call can be hoisted out of the loop, and every output is used (a
-    Pallas call whose output nothing reads is dead code to XLA: two kernels timed in one call would be one)."""
+    ~20-60 µs per dispatch drops out, as in the model's device-resident step). Each call's inputs take 0 x the
+    last outputs' first elements (`linked_call`), so no call can be hoisted out of the loop, and every output is
+    used (a Pallas call whose output nothing reads is dead code to XLA: two kernels timed in one call would be
+    one). The links' tiny adds are timed too (on an H100 within the MoE op's spread, docs/benchmarks.md)."""
 
     return time_us(looped_calls(fn, repeat), *args, calls=1, rounds=rounds) / repeat
 
