@@ -114,13 +114,12 @@ def rel_diff(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us, extra_timers=None):
+def side_by_side(emit, run, args, base: dict, nbytes: int, configs, timer=time_us, kernel_timer=None):
     """Time run("xla") and run("pallas", **config) per config on the same inputs; emit one record each, the
     Pallas ones with their difference from XLA's output. A config that fails to compile is reported, not fatal.
-    extra_timers: {field: timer}, each call also timed so — e.g. `kernel_us` by `device_us` (its kernels alone:
-    the looped timer's ~5-8 µs a call of loop and link is no part of a model step; docs/benchmarks.md, the read
-    ceiling on an H100)."""
-    kernels = lambda fn: {k: t(fn, *args) for k, t in (extra_timers or {}).items()}  # noqa: E731
+    kernel_timer (e.g. `device_us`): also each call's kernels alone, as `kernel_us` (the looped timer's ~5-8 µs a
+    call of loop and link is no part of a model step: docs/benchmarks.md, the read ceiling on an H100)."""
+    kernels = (lambda fn: {"kernel_us": kernel_timer(fn, *args)}) if kernel_timer else (lambda fn: {})  # noqa: E731
     xla_fn = run("xla")
     want = xla_fn(*args)
     t_xla = timer(xla_fn, *args)
@@ -492,7 +491,7 @@ def bench_moe(emit, sweep: bool, smoke: bool = False, fmts=("fp4", "fp8", "bf16"
             side_by_side(emit, run, args, dict(op="moe_gemm", fmt=fmt, tokens=n, activations=activations, flops=flops,
                                                timing="device loop" if looped else "dispatches"), nbytes,
                          chosen + previous + list(extra), timer=time_us_looped if looped else time_us,
-                         extra_timers=dict(kernel_us=device_us) if looped and not smoke else None)
+                         kernel_timer=device_us if looped and not smoke else None)
         del lins
 
 
