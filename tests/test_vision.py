@@ -222,10 +222,10 @@ def test_generate_with_an_image(model, test_seed):
     The engine and `generate` run the same chunks: their first-token log-probabilities agree to 1e-5 (a few fp32
     ulps at |logprob| ~ 5-12, from a differently fused log-softmax). Chunks of 8 against one chunk of 16 (a full
     forward) differ by bf16 rounding only: equal bit for bit in fp32 (checked by hand at seed 746886827; test_decode
-    checks it for text on every seed), and 0-0.11 apart in bf16 (13 seeds; text prompts alike); the bound is DeepSeek's own bf16 decode-vs-recompute gap, 0.34 (tests/test_decode.py), and a
-    near-tie may flip the greedy token (seed 746886827: margin 0.0016), so the tokens are compared by their
-    log-probabilities, not by identity. A different image moves these log-probabilities by 0.3-0.5 and replaces
-    most of the top 8."""
+    checks it for text on every seed), and 0-0.11 apart in bf16 (13 seeds; text prompts alike). The bound is
+    DeepSeek's own bf16 decode-vs-recompute gap, 0.34 (tests/test_decode.py), and a near-tie may flip the greedy
+    token (seed 746886827: margin 0.0016), so the tokens are compared by their log-probabilities, not by identity.
+    A different image moves these log-probabilities by 0.3-0.5 and replaces most of the top 8."""
     from dsjax.serving.engine import RowSampling, SlotEngine
     from dsjax.vision.inputs import prepare_prompt
 
