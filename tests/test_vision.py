@@ -204,8 +204,8 @@ BF16_NOISE = 0.34    # DeepSeek's own bf16 decode-vs-full-recompute gap on its t
 
 
 def assert_top_logprobs_agree(got: dict, got_token: int, want: dict, tol: float):
-    """Two first-token top-k lists ({id: logprob}) of prefill paths that should agree within `tol`: the tokens both
-    list agree within `tol` and at least half are shared, and `got`'s greedy token is one `want` ranks within 2 tol of its
+    """Two first-token top-k lists ({id: logprob}) of prefill paths that should agree within `tol`: at least half
+    the tokens are shared and agree within `tol`, and `got`'s greedy token is one `want` ranks within 2 tol of its
     best (a near-tie may flip under rounding; a flip needs the margin to move by both errors)."""
     common = set(got) & set(want)
     assert len(common) >= len(want) // 2, f"top lists share only {sorted(common)}: {got} vs {want}"
