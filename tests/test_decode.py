@@ -27,6 +27,9 @@ SMALL = dict(vocab_size=VOCAB, window_size=8, n_layers=3, compress_ratios=(0, 4,
              index_topk=4)
 CHUNKS = (5, 3, 9, 1, 16, 14)     # 48 prompt tokens
 DECODE = 12
+# Chunked vs full logits may differ by rounding up to DeepSeek's own decode-vs-full-recompute gap on its tiny V4
+# (goldens manifest: 0.09-0.34 bf16, 0.49-1.02 fp8); test_vision's image prefill uses the bf16 bound too.
+REFERENCE_NOISE = {"reference-bf16": 0.34, "reference-fp8": 1.02}
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +81,7 @@ def test_chunked_prefill_and_decode_reference_presets(numerics, test_seed):
     full = np.asarray(jax.jit(lambda p, i: forward(p, cfg, i))(params, jnp.asarray(ids)))
     got = chunked_then_decoded(cfg, params, ids)
     per_pos = np.abs(got - full).max(axis=-1)
-    noise = 0.34 if numerics == "reference-bf16" else 1.02
+    noise = REFERENCE_NOISE[numerics]
     print(f"{numerics}: median per-position max|Δ| {np.median(per_pos):.3f}, max {per_pos.max():.3f}")
     assert np.median(per_pos) <= noise
     # Near-ties may flip under rounding. A flip needs the top two logits to move apart by the full margin; with each
