@@ -17,12 +17,12 @@ import jax.numpy as jnp
 
 from dsjax import v41_rows
 from dsjax.config import ModelConfig
-from dsjax.layers.attention import output_projection, sink_attention, update_ring
+from dsjax.layers.attention import attend_keys, update_ring
 from dsjax.layers.csa2 import project_kv, project_q
 from dsjax.layers.linear import linear
 from dsjax.layers.lm_head import lm_head
 from dsjax.layers.norms import rms_norm
-from dsjax.layers.rope import apply_rope, rope_angles
+from dsjax.layers.rope import rope_angles
 from dsjax.layers.rows import per_token
 from dsjax.sharding import gather_vocab
 from dsjax.v41_model import block41, collapse, embed41, head_logits41
@@ -79,12 +79,7 @@ def _block_attention(P):
                                  jnp.ones((B, S), bool)], axis=1)
         keys = jnp.broadcast_to(keys[:, None], (B, S) + keys.shape[1:])
         valid = jnp.broadcast_to(valid[:, None], (B, S, W + S))
-
-        def out(q, keys, valid, angles):
-            o = sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5)
-            return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
-
-        return per_token(cfg, out, q, keys, valid, angles), ring
+        return attend_keys(q, keys, valid, angles, w, cfg), ring
 
     return attend
 

@@ -128,6 +128,36 @@ def compressed_visible(q_pos, n_entries: int, ratio: int):
     return jnp.arange(n_entries) < ((q_pos + 1) // ratio)[..., None]
 
 
+def chunk_projections(x, w, cfg: ModelConfig, layer: int, start, project_q, project_kv, index_queries):
+    """The opening V4's and V4.1's attention share: the chunk's positions [B,T], rope angles, queries, new KV and
+    index queries (None without an indexer), per token where the config asks. The projections are each model's."""
+    T = x.shape[1]
+    q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    angles = rope_angles(cfg, layer, q_pos)
+
+    def projections(x, angles):
+        q, qr = project_q(x, w, cfg, angles)
+        iq = index_queries(qr, w.indexer, cfg, angles) if w.indexer is not None else None
+        return q, project_kv(x, w, cfg, angles), iq
+
+    q, kv, iq = per_token(cfg, projections, x, angles)
+    return q_pos, angles, q, kv, iq
+
+
+def unrotated_output(o, angles, w, cfg: ModelConfig):
+    """Attention output o [B,T,H,d] with the rope taken back off its rope dims, through the output projection."""
+    return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
+
+
+def attend_keys(q, keys, valid, angles, w, cfg: ModelConfig):
+    """Sink attention of q [B,T,H,d] over each query's gathered keys [B,T,K,d] (valid [B,T,K]), then the output
+    projection; per token where the config asks (one rounding order for any batch)."""
+    def attend(q, keys, valid, angles):
+        return unrotated_output(sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5), angles, w, cfg)
+
+    return per_token(cfg, attend, q, keys, valid, angles)
+
+
 def output_projection(o, w: Attention, cfg: ModelConfig):
     """Grouped low-rank output: o [b,s,H,d] -> per-group wo_a (bf16 einsum) -> wo_b."""
     b, s = o.shape[:2]
@@ -158,15 +188,7 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
     real; st holds everything before `start`. Returns (out [B,T,D], new layer state, (x, stored kv)) — the
     last being what `commit_layer` needs to commit a shorter prefix of the chunk later."""
     B, T, _ = x.shape
-    q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    angles = rope_angles(cfg, layer, q_pos)
-
-    def projections(x, angles):
-        q, qr = project_q(x, w, cfg, angles)
-        iq = index_queries(qr, w.indexer, cfg, angles) if w.indexer is not None else None
-        return q, project_kv(x, w, cfg, angles), iq
-
-    q, kv, iq = per_token(cfg, projections, x, angles)
+    q_pos, angles, q, kv, iq = chunk_projections(x, w, cfg, layer, start, project_q, project_kv, index_queries)
     kv_stored = kv_rows.store_main(kv, cfg)
     new = commit_layer(x, kv_stored, w, cfg, layer, st, start, n_valid)
     ratio = cfg.layer_ratio(layer)
@@ -184,7 +206,7 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
             chosen = kernel_path.pick_entries(x, iq, w.indexer, cfg, new.index.entries, q_pos, ratio, visible)
         attend = kernel_path.chunk_attention if op == "chunk_attention" else kernel_path.sparse_attention
         o = attend(q, w.attn_sink, st.window, kv_stored, new.compressor, chosen, cfg, ratio, start)
-        return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new, (x, kv_stored)
+        return unrotated_output(o, angles, w, cfg), new, (x, kv_stored)
     dense = dense_pays(cfg, T, n_entries, ratio)
     keys, valid = (dense_window if dense else window_keys)(st.window, kv_stored, start, cfg.window_size)
     keys = kv_rows.load_main(keys, cfg)
@@ -207,9 +229,4 @@ def attention(x, w: Attention, cfg: ModelConfig, layer: int, st: LayerState, sta
             c_keys = jnp.broadcast_to(entries[:, None], (B, T) + entries.shape[1:])
         keys = jnp.concatenate([keys, c_keys.astype(keys.dtype)], axis=keys.ndim - 2)
         valid = jnp.concatenate([valid, c_valid], axis=2)
-
-    def attend(q, keys, valid, angles):
-        o = sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5)
-        return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
-
-    return per_token(cfg, attend, q, keys, valid, angles), new, (x, kv_stored)
+    return attend_keys(q, keys, valid, angles, w, cfg), new, (x, kv_stored)

@@ -22,7 +22,8 @@ from dsjax.kernel_choice import choose
 from dsjax.sharding import active_mesh
 from dsjax.kernels import sparse_mqa
 from dsjax.kernels.common import Fp4RowFormat, MainRowFormat
-from dsjax.layers.attention import compressed_visible, output_projection, sink_attention, update_ring, window_keys
+from dsjax.layers.attention import (attend_keys, chunk_projections, compressed_visible, unrotated_output, update_ring,
+                                   window_keys)
 from dsjax.layers import radix_topk, reindex
 from dsjax.layers.chunk_indexer import chunk_index_scores
 from dsjax.layers.linear import linear, matmul
@@ -181,15 +182,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
     layer's (x, stored window KV).
     Returns (out [B,T,D], new layer state)."""
     B, T, _ = x.shape
-    q_pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    angles = rope_angles(cfg, layer, q_pos)
-
-    def projections(x, angles):
-        q, qr = project_q(x, w, cfg, angles)
-        iq = index_queries(qr, w.indexer, cfg, angles) if w.indexer is not None else None
-        return q, project_kv(x, w, cfg, angles), iq
-
-    q, kv, iq = per_token(cfg, projections, x, angles)
+    q_pos, angles, q, kv, iq = chunk_projections(x, w, cfg, layer, start, project_q, project_kv, index_queries)
     kv = v41_rows.store_window(kv, cfg)
     shared.setdefault("pending", []).append((x, kv))  # what `commit_layer41` needs to commit a shorter prefix
     window_ok = None            # CED replay: the ring holds nothing before the replayed tokens
@@ -230,7 +223,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
                           sharded=active_mesh() is not None, operands=(src.entries,) if compressed else ()) == "pallas":
         src_entries = (src.entries, sparse_mqa.csa_indices(chosen, chosen_ok)) if compressed else (None, None)
         o = kernel_attention(q, w.attn_sink, st.window, kv, src_entries, cfg, start, window_ok)
-        return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg), new
+        return unrotated_output(o, angles, w, cfg), new
     keys, valid = window_keys(st.window, kv, start, cfg.window_size)
     if window_ok is not None:
         valid = valid & window_ok
@@ -239,12 +232,7 @@ def attention41(x, w: Attention41, cfg: ModelConfig, layer: int, st: LayerState4
         picked = v41_rows.load_main(take_rows(src.entries, chosen), cfg)
         keys = jnp.concatenate([keys, picked.astype(keys.dtype)], axis=2)
         valid = jnp.concatenate([valid, chosen_ok], axis=2)
-
-    def attend(q, keys, valid, angles):
-        o = sink_attention(q, keys, valid, w.attn_sink, cfg.head_dim ** -0.5)
-        return output_projection(apply_rope(o, angles[:, :, None, :], inverse=True), w, cfg)
-
-    return per_token(cfg, attend, q, keys, valid, angles), new
+    return attend_keys(q, keys, valid, angles, w, cfg), new
 
 
 def kernel_attention(q, sink, ring, kv_stored, comp, cfg: ModelConfig, start, window_ok=None):
