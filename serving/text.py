@@ -6,6 +6,7 @@ appears, the text ends before it and `stopped` is set (the caller then aborts th
 
 from __future__ import annotations
 
+from dsjax.chat.parsing import partial_marker
 from dsjax.tokenizer import Tokenizer
 
 
@@ -41,17 +42,6 @@ class OutputText:
                 self.stopped = True
                 self._held = ""
                 return buf[:min(i for i, _ in hits)]
-        keep = 0 if final else _partial_stop(buf, self.stop)
+        keep = 0 if final else partial_marker(buf, self.stop)
         self._held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep]
-
-
-def _partial_stop(buf: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
-    keep = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(buf)), keep, -1):
-            if buf.endswith(s[:n]):
-                keep = n
-                break
-    return keep

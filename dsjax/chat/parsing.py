@@ -253,15 +253,22 @@ def parse_output(text: str, *, family: str = "v4", thinking: bool = True) -> Par
     return parser.finish()
 
 
-def _held_back(buffer: str) -> int:
-    """How many trailing characters might still become a marker, plus the newlines before them (the blank
-    line before a tool-call block is not part of the text before it)."""
+def partial_marker(buffer: str, markers) -> int:
+    """Length of the longest tail of `buffer` that is a proper prefix of one of `markers`: text a streamer must
+    hold back until the next characters say whether a marker (or a stop string) begins there."""
     keep = 0
-    for marker in _MARKERS:
+    for marker in markers:
         for n in range(min(len(marker) - 1, len(buffer)), keep, -1):
             if buffer.endswith(marker[:n]):
                 keep = n
                 break
+    return keep
+
+
+def _held_back(buffer: str) -> int:
+    """How many trailing characters might still become a marker, plus the newlines before them (the blank
+    line before a tool-call block is not part of the text before it)."""
+    keep = partial_marker(buffer, _MARKERS)
     last_tag = buffer.rfind(_TAG_START)
     if last_tag >= 0 and ">" not in buffer[last_tag:]:
         keep = max(keep, len(buffer) - last_tag)
