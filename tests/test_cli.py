@@ -134,3 +134,12 @@ def test_console_script():
     assert "logits" in proc.stdout and "convert" in proc.stdout and "info" in proc.stdout
     proc = subprocess.run([exe, "info", "no-such-model"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+
+
+def test_python_dash_m():
+    """`python -m dsjax` is the same command line (no console script needed): its help, and a usage error's code."""
+    proc = subprocess.run([sys.executable, "-m", "dsjax", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: dsjax ") and "generate" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "dsjax", "logits"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--prompt" in proc.stderr
