@@ -89,6 +89,31 @@ def test_tile_gemm_matches_dequantized_product(test_seed, fp8, block_k, stages, 
     print(f"y beyond one bf16 ulp: at most {worst:.3g} of the absolute products' sum")
 
 
+def test_one_linear_reads_no_pair_weights(test_seed, monkeypatch):
+    """The down launch (one Linear) carries the up launch's pair weights unread, so the op makes no [T, N] of zeros
+    for it (a kernel launch of its own on the GPU): y with random pair weights equals y without, bit for bit, on
+    the used tiles (interpreted on CPU; compiled on a GPU); the op hands both launches the routing's pair weights
+    (traced only); and a pair weight of the wrong shape is refused."""
+    codes, scales, xt, xs, experts, pw, w1, _ = _tile_case(test_seed, True)
+    opts = dict(block_k=256, stages=2, interpret=None if on_gpu else True)
+    y = mosaic_fp4.tile_gemm(xt, xs, experts, [w1], **opts)
+    y_pw = mosaic_fp4.tile_gemm(xt, xs, experts, [w1], pair_weight=pw, **opts)
+    used = np.asarray(experts) >= 0
+    np.testing.assert_array_equal(np.asarray(y_pw)[used], np.asarray(y)[used])
+    with pytest.raises(ValueError, match="pair_weight must be"):
+        mosaic_fp4.tile_gemm(xt, xs, experts, [w1], pair_weight=pw[:, :4], **opts)
+
+    seen = []
+    tile_gemm = mosaic_fp4.tile_gemm
+    monkeypatch.setattr(mosaic_fp4, "tile_gemm",
+                        lambda *a, **o: seen.append(o.get("pair_weight")) or tile_gemm(*a, **o))
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 8)
+    jax.eval_shape(lambda x, weights, ids: moe_gemm(
+        x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
+        implementation="pallas", interpret=True, fp4_kernel="mosaic"), x, weights, ids)
+    assert len(seen) == 2 and seen[0] is not None and seen[1] is seen[0]
+
+
 @pytest.mark.parametrize("fp8,block_k,programs", [(False, 512, 0), (True, 256, 3)],
                          ids=["bf16-4quads-grid", "e4m3-2quads-persistent"])
 def test_quad_waits_equal_the_step_form(test_seed, fp8, block_k, programs):

@@ -436,7 +436,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     x_scales: fp32 [T, K / 128, N]: the codes' power-of-two scales per 128 columns; None for bf16 values.
     experts:  int32 [T]: the tile's expert, -1 = an unused tile (nothing computed, its output undefined).
     lins:     one FP4 `Linear` stack [E, n_out, K / 2] (+ ue8m0 [E, n_out, K / 32]) -> y; or two (gate, up) with
-              pair_weight fp32 [T, N] and swiglu_limit -> h.
+              pair_weight fp32 [T, N] and swiglu_limit -> h. With one, pair_weight may be any fp32 [T, N] (the op
+              passes the up launch's): the kernel copies that operand beside the others but reads it only for h,
+              and without one a [T, N] of zeros is made for it — a kernel launch of its own on the GPU.
     wait_per_linear: wait for each Linear's wgmmas before issuing the next's; else one wait a step (H200: within
     3% either way, 1-2% slower at 8-64 tokens).
     k_splits: programs a 64-row block, each over K / k_splits columns (more programs in flight when few tiles
@@ -497,7 +499,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
     scales = [fp4_words(l.scale).reshape((E * n_out, Q) if stream_scales else (E * n_out // ROWS, 4 * Q, 16))
               for l in lins]
-    pw = (pair_weight if two else jnp.zeros((T, N), jnp.float32)).astype(jnp.float32)
+    pw = (jnp.zeros((T, N), jnp.float32) if pair_weight is None else pair_weight).astype(jnp.float32)
+    if pw.shape != (T, N):
+        raise ValueError(f"moe_gemm mosaic_fp4: pair_weight must be [T, N] = {(T, N)}, got {pw.shape}")
     interp = plgpu.InterpretGPUParams() if interpret is True else gpu_interpret(interpret)
     interpreting = interp not in (None, False)
     ACC = plgpu.Layout.WGMMA
@@ -699,7 +703,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
                   k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I), **opts)  # [T, I, N]
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I, shape=slots)              # h's columns as stored
-    y = tile_gemm(ht, hs, sl.experts, [w2], k_splits=splits(I, down_splits), stream_scales=stream(I), consumers=wgs(D),
-                  **opts)                                                            # [T, D, N]
+    # the down launch carries the up launch's pair weights unread (one Linear: no h), where zeros were a kernel
+    y = tile_gemm(ht, hs, sl.experts, [w2], pair_weight=sl.pair_weight, k_splits=splits(I, down_splits),
+                  stream_scales=stream(I), consumers=wgs(D), **opts)                 # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)
