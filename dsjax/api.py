@@ -14,7 +14,7 @@ import numpy as np
 
 from dsjax import checkpoint, kernel_choice, orbax_io, sharding
 from dsjax.assets import BUNDLED, resolve as resolve_model
-from dsjax.config import NUMERICS, ModelConfig, PRESETS, preset, split_kernels
+from dsjax.config import NUMERICS, ModelConfig, PRESETS, load_config, preset, split_kernels
 from dsjax.errors import ConfigError, ContextLimitError, InputError
 from dsjax.generate import GenerateOptions, Generation, generate, stream
 from dsjax.model import forward
@@ -136,6 +136,29 @@ def enable_compilation_cache(path: str | None = DEFAULT_COMPILATION_CACHE) -> No
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def model_config(path_or_preset: str) -> ModelConfig:
+    """The config `load` would build a model of, read without any weights: a checkpoint directory's (a
+    transformers-layout one without its MTP head; a directory holding only config.json as written), an Orbax
+    directory's, a config.json file's, a bundled checkpoint's (`dsjax-small`) or a preset's. Why: `dsjax info`
+    answers for every name `dsjax generate --model` takes."""
+    path = resolve_model(os.fspath(path_or_preset))
+    if os.path.isdir(path):
+        if orbax_io.is_orbax_dir(path):
+            return orbax_io.read_config(path)
+        has_weights = any(f.endswith(".safetensors") for f in os.listdir(path))
+        return checkpoint.checkpoint_config(path) if has_weights else load_config(path)
+    if os.path.isfile(path):
+        return load_config(path)
+    if path in PRESETS:
+        return preset(path)
+    raise ConfigError(_not_a_model(path))
+
+
+def _not_a_model(path: str) -> str:
+    return (f"{path!r} is neither a directory, a bundled checkpoint ({', '.join(BUNDLED)}) nor a known preset; "
+            f"presets: {', '.join(sorted(PRESETS))}")
+
+
 def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "reference-bf16",
          kernels: str = "auto", max_seq_len: int | None = None, max_batch: int | None = None, seed: int = 0,
          compilation_cache: str | None = DEFAULT_COMPILATION_CACHE, ignore_vision: bool = False) -> Model:
@@ -189,5 +212,4 @@ def load(path_or_preset: str, *, mesh=None, ep: str = "tp", numerics: str = "ref
         return Model(cfg, params, source=f"preset:{path} (random weights, seed {seed})", mesh=mesh, **sizes)
     if os.path.exists(path):
         raise ConfigError(f"{path}: expected a checkpoint directory (config.json + *.safetensors) or an Orbax directory")
-    raise ConfigError(f"{path!r} is neither a directory, a bundled checkpoint ({', '.join(BUNDLED)}) nor a known "
-                      f"preset; presets: {', '.join(sorted(PRESETS))}")
+    raise ConfigError(_not_a_model(path))

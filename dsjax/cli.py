@@ -67,10 +67,10 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import dsjax
+    from dsjax.api import model_config
     from dsjax.weights import nbytes
 
-    cfg = dsjax.load_config(args.model) if "/" in args.model else dsjax.preset(args.model)
+    cfg = model_config(args.model)
     out = cfg.to_dict()
     try:
         out["weight_bytes"] = nbytes(cfg)
@@ -120,9 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("src", help="checkpoint directory (official or transformers layout)")
     cv.add_argument("dst", help="new, empty output directory")
     cv.set_defaults(func=cmd_convert)
-    inf = sub.add_parser("info", help="print a config (preset name or config.json path) and its weight bytes",
-                         description="Print a config (preset name or config.json path) as JSON, with its weight bytes.")
-    inf.add_argument("model", help="preset name or path to a config.json / checkpoint directory")
+    inf = sub.add_parser("info", help="print a model's config and its weight bytes (no weights read)",
+                         description="Print the config of anything --model takes (a checkpoint or Orbax directory, "
+                                     "a config.json, the bundled dsjax-small, a preset) as JSON, with its weight "
+                                     "bytes and layer kinds; no weights are read.")
+    inf.add_argument("model", help="checkpoint / Orbax directory, config.json path, bundled checkpoint (dsjax-small) "
+                                   "or preset name")
     inf.set_defaults(func=cmd_info)
     from dsjax.cli_plan import add_plan_parser
 

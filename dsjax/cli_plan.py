@@ -14,8 +14,8 @@ def add_plan_parser(sub) -> None:
                     "policy (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75 of device memory). Nothing is "
                     "allocated: it runs on a laptop.")
     p.add_argument("--model", default="v4-flash",
-                   help="preset name (v4-flash, v4-flash-0731, v4.1-flash, tiny-v4) or a config.json / checkpoint "
-                        "directory (default: v4-flash)")
+                   help="preset name (v4-flash, v4-flash-0731, v4.1-flash, tiny-v4), the bundled dsjax-small, or a "
+                        "config.json / checkpoint / Orbax directory (default: v4-flash)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: devices that split heads, vocab, shared expert (and experts); default 1")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: devices that split the batch slots; default 1")

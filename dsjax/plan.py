@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from dsjax import kv_rows, sharding
-from dsjax.config import ModelConfig, preset
+from dsjax.config import ModelConfig
 from dsjax.errors import ConfigError
 
 PREFILL_CHUNK = 256   # generate.GenerateOptions.prefill_chunk
@@ -247,11 +247,9 @@ def workspace(cfg: ModelConfig, mesh, slots: int, max_seq_len: int, dense_elems:
 def _load(cfg_or_preset, numerics: str | None) -> ModelConfig:
     if isinstance(cfg_or_preset, ModelConfig):
         cfg = cfg_or_preset
-    elif "/" in cfg_or_preset or os.path.exists(cfg_or_preset):
-        from dsjax.config import load_config
-        cfg = load_config(cfg_or_preset)
-    else:
-        cfg = preset(cfg_or_preset)
+    else:       # whatever `dsjax.load` takes: a checkpoint, Orbax or bundled directory, a config.json, a preset
+        from dsjax.api import model_config
+        cfg = model_config(cfg_or_preset)
     return cfg.with_numerics(numerics) if numerics else cfg
 
 

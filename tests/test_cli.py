@@ -65,6 +65,27 @@ def test_info_config_path(capsys):
     assert info["compress_ratios"] == list(dsjax.preset("v4-flash").compress_ratios)
 
 
+def test_info_takes_what_model_takes(capsys, tmp_path, monkeypatch):
+    """`info` resolves its argument as `--model` does: the bundled dsjax-small (by name, or as a relative
+    directory), a directory holding only config.json; a directory without config.json is refused clearly."""
+    rc, out, err = run(capsys, "info", "dsjax-small")
+    assert rc == 0, err
+    info = json.loads(out)
+    want = dsjax.load_config(os.path.join(os.path.dirname(dsjax.__file__), "assets", "dsjax-small"))
+    assert info["name"] == "dsjax-small" and info["dim"] == want.dim and info["n_layers"] == want.n_layers
+    assert info["weight_bytes"] == nbytes(want)
+    only_config = tmp_path / "only-config"
+    only_config.mkdir()
+    (only_config / "config.json").write_text(open(os.path.join(CONFIGS, "deepseek-v4-flash.config.json")).read())
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(capsys, "info", "only-config")                  # relative, no "/": a directory all the same
+    assert rc == 0, err
+    assert json.loads(out)["weight_bytes"] == nbytes(dsjax.preset("v4-flash"))
+    (tmp_path / "empty").mkdir()
+    rc, out, err = run(capsys, "info", "empty")
+    assert rc == 2 and "no config.json found" in err
+
+
 def test_info_v41(capsys):
     """V4.1's weight tree (Engram tables and DSpark included): info prints the config and its weight bytes."""
     rc, out, err = run(capsys, "info", "v4.1-flash")
@@ -77,8 +98,8 @@ def test_info_v41(capsys):
     (["logits", "--prompt", "hi", "--model", "no-such-model"], "'no-such-model' is neither a directory, a bundled checkpoint (dsjax-small) nor a known preset"),
     (["logits", "--prompt", "hi", "--model", "v4-flash"], "GiB"),
     (["logits", "--prompt", "hi", "--model", "v4.1-flash"], "GiB"),
-    (["info", "no-such-model"], "unknown preset 'no-such-model'"),
-    (["info", "/no/such/dir"], "no config.json found"),
+    (["info", "no-such-model"], "'no-such-model' is neither a directory, a bundled checkpoint (dsjax-small) nor a known preset"),
+    (["info", "/no/such/dir"], "'/no/such/dir' is neither a directory"),
 ])
 def test_errors_exit_2(capsys, argv, needle):
     rc, out, err = run(capsys, *argv)

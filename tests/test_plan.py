@@ -145,6 +145,17 @@ def test_cli_table_and_json(capsys):
     assert {g["gpu"] for g in result["gpus"]} == {"H200", "B200", "B300"}
 
 
+def test_bundled_checkpoint_by_name(capsys):
+    """`--model` takes what `dsjax.load` takes: the bundled dsjax-small by name plans as its own config.json."""
+    from dsjax.assets import bundled_path
+    from dsjax.config import load_config
+    assert cli.main(["plan", "--model", "dsjax-small", "--max-seq-len", "4096", "--batch", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "dsjax-small"
+    want = planner.plan(load_config(bundled_path("dsjax-small")), max_seq_len=4096, batch=1)
+    assert result["kv_layout"] == json.loads(json.dumps(want["kv_layout"]))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "cannot be split 3 ways"),
     (["--tp", "32"], "1, 2, 4, 8, 16"),     # the shared expert's 16 FP8 scale blocks cap tp at 16
