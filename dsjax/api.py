@@ -137,10 +137,10 @@ def enable_compilation_cache(path: str | None = DEFAULT_COMPILATION_CACHE) -> No
 
 
 def model_config(path_or_preset: str) -> ModelConfig:
-    """The config `load` would build a model of, read without any weights: a checkpoint directory's (a
-    transformers-layout one without its MTP head; a directory holding only config.json as written), an Orbax
-    directory's, a config.json file's, a bundled checkpoint's (`dsjax-small`) or a preset's. Why: `dsjax info`
-    answers for every name `dsjax generate --model` takes."""
+    """A model's config, read without any weights, for everything `load` takes — a checkpoint directory (a
+    transformers-layout one without its MTP head, as `load` builds it; one holding only config.json as written),
+    an Orbax directory, a bundled checkpoint (`dsjax-small`), a preset — and a config.json file. Why: `dsjax info`
+    and `dsjax plan` answer for every name `dsjax generate --model` takes."""
     path = resolve_model(os.fspath(path_or_preset))
     if os.path.isdir(path):
         if orbax_io.is_orbax_dir(path):
