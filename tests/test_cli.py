@@ -68,10 +68,12 @@ def test_info_config_path(capsys):
 def test_info_takes_what_model_takes(capsys, tmp_path, monkeypatch):
     """`info` resolves its argument as `--model` does: the bundled dsjax-small (by name, or as a relative
     directory), a directory holding only config.json; a directory without config.json is refused clearly."""
+    from dsjax.assets import bundled_path
+
     rc, out, err = run(capsys, "info", "dsjax-small")
     assert rc == 0, err
     info = json.loads(out)
-    want = dsjax.load_config(os.path.join(os.path.dirname(dsjax.__file__), "assets", "dsjax-small"))
+    want = dsjax.load_config(bundled_path("dsjax-small"))
     assert info["name"] == "dsjax-small" and info["dim"] == want.dim and info["n_layers"] == want.n_layers
     assert info["weight_bytes"] == nbytes(want)
     only_config = tmp_path / "only-config"
