@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsjax.kernels.common import (check_offsets, fp4_code_to_f32, fp4_e4m3_words, fp4_pair_bits,
                                   fp4_words, gpu_interpret, round_bf)
+from dsjax.kernels.moe_gemm import l2_prefetch
 from dsjax.kernels.moe_gemm.mosaic_fp4_consumers import consumers_kernel
 from dsjax.kernels.moe_gemm.mosaic_fp4_persistent import aligned, persistent_kernel, used_tiles
 from dsjax.layers import moe as _moe
@@ -428,7 +429,7 @@ class StepMath(NamedTuple):
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
               stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0,
               early_sums: bool = False, pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False,
-              consumers: int = 1, interpret=None):
+              consumers: int = 1, prefetch=None, prefetch_step: int = 0, interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -459,6 +460,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     opt-in.
     pdl: launch as a programmatic dependent (Hopper PDL, `plgpu.griddepcontrol_wait` first thing in each program,
     before any input is read): the launch and the programs' set-up overlap the previous kernel's end.
+    prefetch: an FP4 `Linear` stack (the down projection's, for gate/up) whose tile expert's codes and scales the
+    launch's programs pull into L2, each its 1 / (n_out / 64) share, at pipeline step `prefetch_step` (`l2_prefetch`:
+    values unchanged; K split 0's programs only). Tile grid only.
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
     T, nkb, N, _ = x_tiles.shape
     K = nkb * BLOCK
@@ -486,6 +490,10 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         raise ValueError(f"moe_gemm mosaic_fp4: consumers {consumers} must be one of {CONSUMERS} (4 stopped an H100: "
                          f"docs/kernels.md), with n_out {n_out} a multiple of {ROWS} x consumers and no pdl or "
                          f"stream_scales with more than one")
+    if prefetch is not None and (programs or consumers != 1 or not 0 <= prefetch_step < K // block_k // k_splits):
+        raise ValueError(f"moe_gemm mosaic_fp4: prefetch is a tile grid option (programs=0, one consumer) at a "
+                         f"step of the {K // block_k // k_splits} a program runs, got programs {programs}, consumers "
+                         f"{consumers}, prefetch_step {prefetch_step}")
     if stream_scales and not streams_scales(K, block_k):
         raise ValueError(f"moe_gemm mosaic_fp4: stream_scales needs K / {QUAD} a multiple of the "
                          f"{scale_block_words(block_k)} scale words a streamed block holds, got K {K}")
@@ -499,6 +507,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
     scales = [fp4_words(l.scale).reshape((E * n_out, Q) if stream_scales else (E * n_out // ROWS, 4 * Q, 16))
               for l in lins]
+    pf = [] if prefetch is None else l2_prefetch.operands(prefetch)         # flat [E, M, w] words
     pw = (jnp.zeros((T, N), jnp.float32) if pair_weight is None else pair_weight).astype(jnp.float32)
     if pw.shape != (T, N):
         raise ValueError(f"moe_gemm mosaic_fp4: pair_weight must be [T, N] = {(T, N)}, got {pw.shape}")
@@ -519,6 +528,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                    plgpu.SMEM((N,), jnp.float32)])
 
     def body(e_ref, x_ref, *rest):
+        n_in = fp8 + 1 + 2 * n_lin                      # the inputs after x, before the prefetched stacks
+        pf_refs, rest = rest[n_in:n_in + len(pf)], rest[:n_in] + rest[n_in + len(pf):]
         xs_ref, pw_ref, w_refs, s_refs, out_ref, scratch = kernel_refs(rest, fp8, n_lin)
         if shared_side:
             side_s, *scratch = scratch
@@ -550,6 +561,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                     for i in range(len(copies)):
                         plgpu.barrier_wait(bars.at[1 + i])
 
+                if pf_refs:
+                    pl.when((idx[0] == prefetch_step) & (split == 0))(
+                        lambda: l2_prefetch.issue(pf_refs, e, r, n_out // ROWS))
                 k = idx[0] + split * steps                 # the step's place in all of K
                 x_step, w_s, accs = refs_and_carry[0], refs_and_carry[1:1 + n_lin], refs_and_carry[-1]
                 if stream_scales:
@@ -598,7 +612,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             ],
             interpret=interp)
         head = expert_rows(experts, jnp.float32 if shared_side else jnp.int32)
-    out = kernel(head, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales)
+    out = kernel(head, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales, *pf)
     if not split_out:
         return out
     sums = [functools.reduce(jnp.add, [out[j, i] for i in range(k_splits)]) for j in range(n_lin)]
@@ -646,7 +660,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
              k_splits: int | tuple[int, int] = 1, interpret=None, codes_kernel: bool = True,
              pairs: int | None = None, route_kernel: bool | None = None, route_warps: int | None = None,
              programs: int = 0, early_sums: bool = False,
-             pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1):
+             pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1,
+             prefetch_down: int | None = None):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -665,7 +680,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs: `tile_gemm`'s
     (0: the tile grid; e.g. 132: the persistent launch, one program an SM, for both GEMMs). early_sums, pdl,
     quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales too, for each GEMM whose contraction can
-    (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for each GEMM whose rows it divides (else 1)."""
+    (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for each GEMM whose rows it divides (else 1).
+    prefetch_down: None, or the up launch's pipeline step at which each of its programs pulls its share of its
+    expert's down weights into L2 (`l2_prefetch`; the tile grid only)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, ROUTE_WARPS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -701,7 +718,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     slots = (sl.experts.shape[0], pairs)
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D, shape=slots)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
-                  k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I), **opts)  # [T, I, N]
+                  k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I),
+                  prefetch=None if prefetch_down is None else w2, prefetch_step=prefetch_down or 0, **opts)  # [T, I, N]
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I, shape=slots)              # h's columns as stored
     # the down launch carries the up launch's pair weights unread (one Linear: no h), where zeros were a kernel
     y = tile_gemm(ht, hs, sl.experts, [w2], pair_weight=sl.pair_weight, k_splits=splits(I, down_splits),

@@ -1,0 +1,95 @@
+"""`moe_gemm.l2_prefetch`: the up launch's programs pulling their experts' down weights into L2. It must change no
+value (interpreted here, where the prefetch is a no-op, that checks the operands' plumbing; compiled on a GPU, the
+real instruction), cover each expert's rows with in-bounds TMA boxes, and lower to one prefetch a box in the up
+kernel only."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from test_kernel_moe_gemm import LIMIT, _case
+from test_kernel_moe_gemm_mosaic import _tile_case
+
+from dsjax.bench import lowered_kernels
+from dsjax.kernels.moe_gemm import l2_prefetch, moe_gemm, mosaic_fp4
+
+on_gpu = jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("M,programs", [(16384, 32), (1024, 32), (23040, 36), (1440, 36), (33, 32), (5, 8),
+                                        (300, 1), (257, 2)])
+def test_boxes_cover_every_row_in_bounds(M, programs):
+    """V4-Flash's down words and scales (16,384 and 1,024 flat rows over 32 programs), V4.1-Flash's (23,040 and
+    1,440 over 36), and uneven splits: every row of an expert lies in some program's box, every box lies inside the
+    stack and is at most `BOX_ROWS` rows, as `issue` places them (the last moved back inside)."""
+    share, box, n = l2_prefetch.boxes(M, programs)
+    assert box <= l2_prefetch.BOX_ROWS and n * box >= share
+    covered = np.zeros(M, bool)
+    for p in range(programs):
+        for i in range(n):
+            start = min(p * share + i * box, M - box)
+            assert 0 <= start and start + box <= M
+            covered[start:start + box] = True
+    assert covered.all()
+
+
+def test_flat_rows_keep_each_expert_whole():
+    """An expert's words, flat, in 16-byte multiples: the widest row that divides them; refused otherwise."""
+    words = np.arange(3 * 18 * 8, dtype=np.uint32).reshape(3, 18, 8)          # 144 words an expert: 16-word rows
+    flat = np.asarray(l2_prefetch.flat_rows(words))
+    assert flat.shape == (3, 9, 16)
+    np.testing.assert_array_equal(flat.reshape(3, -1), words.reshape(3, -1))
+    assert l2_prefetch.flat_rows(np.zeros((2, 4096, 256), np.uint32)).shape == (2, 16384, 64)
+    with pytest.raises(ValueError, match="16-byte rows"):
+        l2_prefetch.flat_rows(np.zeros((2, 3, 2), np.uint32))
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "bf16"])
+def test_prefetch_changes_no_value(test_seed, fp8):
+    """h with the prefetch at the first and at the last step equals h without, bit for bit on the used tiles (an
+    unused tile, -1, between them); the op with `mosaic_prefetch_down` equals the op without; and the options it
+    cannot run with are refused."""
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8)
+    opts = dict(block_k=256, stages=2, pair_weight=pw, swiglu_limit=LIMIT, interpret=None if on_gpu else True)
+    h = np.asarray(mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], **opts))
+    used = np.asarray(experts) >= 0
+    for step in (0, 1):                                         # K = 512: two steps of 256 columns
+        got = np.asarray(mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], prefetch=w3, prefetch_step=step, **opts))
+        np.testing.assert_array_equal(got[used].view(np.uint16), h[used].view(np.uint16))
+    for bad in (dict(prefetch_step=2), dict(programs=3), dict(prefetch_step=1, k_splits=2)):
+        with pytest.raises(ValueError, match="prefetch is a tile grid option"):
+            mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], prefetch=w3, **{**opts, **bad})
+
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 2)
+    run = functools.partial(moe_gemm, x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=fp8,
+                            act_quant_block=128, implementation="pallas", interpret=None if on_gpu else True,
+                            fp4_kernel="mosaic")
+    np.testing.assert_array_equal(np.asarray(run(mosaic_prefetch_down=0)).view(np.uint32),
+                                  np.asarray(run()).view(np.uint32))
+
+
+@pytest.mark.parametrize("shapes,boxes", [("v4", 3), ("v41", 4)])
+def test_lowers_with_a_prefetch_a_box_in_the_up_kernel(shapes, boxes):
+    """At V4-Flash's and V4.1-Flash's decode shapes (one token): the up kernel issues the down stack's boxes (V4:
+    two of the words' 256 rows x 256 bytes and one of the scales; V4.1: three and one), the down kernel none, and
+    the default op none."""
+    with_prefetch = lowered_kernels.moe_kernels(shapes, 1, dict(mosaic_prefetch_down=4))
+    assert [m.count("cp.async.bulk.prefetch.tensor") for m in with_prefetch] == [boxes, 0]
+    assert all("cp.async.bulk.prefetch.tensor" not in m for m in lowered_kernels.moe_kernels(shapes, 1, {}))
+
+
+@pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
+@pytest.mark.parametrize("n,step", [(1, 0), (2, 1), (8, 0)])
+def test_prefetch_equals_the_default_on_gpu(test_seed, n, step, act_quant_sim):
+    """Compiled, the prefetch instructions run (TMA boxes in L2, nothing waits for them): the op's output is the
+    default's, bit for bit."""
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
+    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
+                                          interpret=False, fp4_kernel="mosaic", **o))
+    got = run(mosaic_prefetch_down=step)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
