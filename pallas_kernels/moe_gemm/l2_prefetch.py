@@ -7,7 +7,9 @@ step of its pipeline, asks the TMA unit to prefetch its share of its tile's expe
 (`cp.async.bulk.prefetch.tensor`: no shared memory, no barrier, nothing to wait for), so the down launch can find
 them there. It changes no value: the op's outputs are the same bits (interpret mode runs it as a no-op; on a GPU
 `test_prefetch_equals_the_default_on_gpu`). It pays only while the prefetched bytes fit in L2 beside the up
-launch's stream (50 MB on an H100 or H200): one token's six experts are 25 MB.
+launch's stream (50 MB on an H100 or H200): one token's six experts are 25 MB. Measured on an H100 (2026-12-07,
+docs/benchmarks.md "The down weights in L2 before the down launch"): the down kernel only 1.4-1.7 µs faster at one
+token (it is bound by its programs' latency chain, not DRAM), the up kernel 2.5-5 µs slower; so it is opt-in.
 
 Each expert's stored words (and scale words) are viewed flat as rows of 256, 64 or 16 bytes (`flat_rows`), and
 program r of the up launch's `programs` row blocks takes rows [r·c, (r + 1)·c) of its expert, c = ⌈rows / programs⌉,
