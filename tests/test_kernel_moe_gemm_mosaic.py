@@ -89,21 +89,6 @@ def test_tile_gemm_matches_dequantized_product(test_seed, fp8, block_k, stages, 
     print(f"y beyond one bf16 ulp: at most {worst:.3g} of the absolute products' sum")
 
 
-def test_each_tile_reads_its_own_expert_from_the_flat_experts(test_seed):
-    """From 4 tiles up the tile grid reads its expert from the [T] experts as they are (a 16-byte box inside the
-    array, the last tiles' box moved back), not from a padded [T, 4] copy: 5 tiles, one unused, each used tile's y
-    against its own expert's dequantized product (`test_tile_gemm_matches_dequantized_product`'s bound). A tile
-    that read another tile's expert would miss by the size of y itself."""
-    experts = (1, -1, 0, 3, 2)
-    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, True, experts=experts)
-    y = mosaic_fp4.tile_gemm(xt, xs, experts, [w1], block_k=256, stages=2, interpret=None if on_gpu else True)
-    for t in (0, 2, 3, 4):
-        want_y, _, mass = (np.asarray(a) for a in _tile_want(codes[t], scales[t], int(experts[t]), w1, w3, pw[t]))
-        got_y = np.asarray(y[t], np.float32)
-        excess = np.abs(got_y - want_y) - _ulp_bf16(np.maximum(np.abs(got_y), np.abs(want_y)))
-        assert (excess <= TENSOR_CORE_SUM * mass).all(), (t, float((excess / mass).max()))
-
-
 def test_one_linear_reads_no_pair_weights(test_seed, monkeypatch):
     """The down launch (one Linear) carries the up launch's pair weights unread, so the op makes no [T, N] of zeros
     for it (a kernel launch of its own on the GPU): y with random pair weights equals y without, bit for bit, on

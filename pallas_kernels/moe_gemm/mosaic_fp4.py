@@ -522,9 +522,6 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     # it at 3 either way, so it keeps the three buffers its GPU tests and timings ran with (the shared one has run
     # only interpreted and lowered: no device time was left)
     shared_side = quad_waits or stream_scales
-    # the tile grid reads its expert from the [T] experts as they are (a 16-byte TMA box inside the array), where a
-    # [T, 4] copy (`expert_rows`, a pad) was a kernel of its own on the GPU (~1.1 µs at every size, H100 12-06)
-    flat_head = not shared_side and T >= 4
     pw_row, e_row, side_rows = side_layout(Q if fp8 else 1, N)
     side_types = ([plgpu.SMEM((side_rows, N), jnp.float32)] if shared_side else      # expert, x scales, weights
                   [plgpu.SMEM((4,), jnp.int32), plgpu.SMEM((Q if fp8 else 1, N), jnp.float32),
@@ -544,13 +541,9 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
             plgpu.griddepcontrol_wait()         # the inputs are the previous kernel's outputs: nothing read before
         t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
         rows = pl.ds(r * ROWS, ROWS)
-        if flat_head:                           # 16 bytes of the [T] experts that hold t's, inside the array
-            first = jnp.minimum(t, T - 4)
-            plgpu.copy_gmem_to_smem(e_ref.at[pl.ds(first, 4)], e_s, bars.at[0])
-        else:
-            plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
+        plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
         plgpu.barrier_wait(bars.at[0])
-        e = e_s[0].astype(jnp.int32) if shared_side else e_s[t - first] if flat_head else e_s[0]
+        e = e_s[0].astype(jnp.int32) if shared_side else e_s[0]      # shared: the expert as an fp32 value
 
         @pl.when(e >= 0)
         def _tile():
@@ -618,7 +611,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                 plgpu.Barrier(num_barriers=2 + fp8 + (0 if stream_scales else n_lin)),
             ],
             interpret=interp)
-        head = experts if flat_head else expert_rows(experts, jnp.float32 if shared_side else jnp.int32)
+        head = expert_rows(experts, jnp.float32 if shared_side else jnp.int32)
     out = kernel(head, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales, *pf)
     if not split_out:
         return out
