@@ -2,7 +2,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$(pwd)
-mkdir -p /tmp/site $OUT/r
+rm -rf /tmp/site; mkdir -p /tmp/site $OUT/r   # a warm machine keeps /tmp, and pip --target does not replace an older install
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . > $OUT/r/pip.log 2>&1 || { tail -20 $OUT/r/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site
 cd /tmp
