@@ -1,7 +1,8 @@
-"""`moe_gemm.l2_prefetch`: the up launch's programs pulling their experts' down weights into L2. It must change no
-value (interpreted here, where the prefetch is a no-op, that checks the operands' plumbing; compiled on a GPU, the
-real instruction), cover each expert's rows with in-bounds TMA boxes, and lower to one prefetch a box in the up
-kernel only."""
+"""`moe_gemm.l2_prefetch`: the up launch's programs pulling their experts' down weights into L2
+(`mosaic_prefetch_down`), and the down launch's programs pulling their own weights before they wait for the previous
+kernel (`mosaic_down_prewait`). Neither may change a value (interpreted here, where a prefetch is a no-op and no
+launch waits, that checks the operands' plumbing; compiled on a GPU, the real instructions); the boxes must cover
+each expert's rows in bounds; and the lowering must put them where the option says."""
 
 import functools
 
@@ -94,5 +95,57 @@ def test_prefetch_equals_the_default_on_gpu(test_seed, monkeypatch, n, step, act
                                           act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
                                           interpret=False, fp4_kernel="mosaic", **o))
     got = run(mosaic_prefetch_down=step)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
+
+
+def test_down_prewait_changes_no_value_and_refuses_what_it_cannot_run(test_seed):
+    """The op with the down launch's early prefetch equals the op without, bit for bit (the up and down launches
+    sharing one expert head); `tile_gemm` refuses prewait without pdl or beside the other options it cannot run
+    with, and a shared head outside the tile grid."""
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 2)
+    run = functools.partial(moe_gemm, x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True,
+                            act_quant_block=128, implementation="pallas", interpret=None if on_gpu else True,
+                            fp4_kernel="mosaic")
+    np.testing.assert_array_equal(np.asarray(run(mosaic_down_prewait=True)).view(np.uint32),
+                                  np.asarray(run()).view(np.uint32))
+    codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, True)
+    opts = dict(block_k=256, stages=2, interpret=True)
+    for bad in (dict(prewait=True), dict(prewait=True, pdl=True, prefetch=w3), dict(prewait=True, pdl=True,
+                                                                                     quad_waits=True)):
+        with pytest.raises(ValueError, match="prewait needs pdl"):
+            mosaic_fp4.tile_gemm(xt, xs, experts, [w1], **opts, **bad)
+    with pytest.raises(ValueError, match="shared head"):
+        mosaic_fp4.tile_gemm(xt, xs, experts, [w1], head=mosaic_fp4.expert_rows(experts), programs=3, **opts)
+
+
+@pytest.mark.parametrize("shapes,boxes", [("v4", 2), ("v41", 3)])
+def test_down_prewait_lowers_its_prefetch_before_the_wait(shapes, boxes):
+    """One token, V4-Flash and V4.1-Flash shapes: only the down kernel is a programmatic dependent, and it issues its
+    own rows' boxes (V4: one of the words, one of the scales; V4.1: two and one) before `griddepcontrol.wait`; the
+    up kernel neither prefetches nor waits; the h codes' Triton kernel lets its dependent launch (and the default op
+    has none of it)."""
+    text = lowered_kernels.lower_moe(*lowered_kernels.SHAPES[shapes], 1, dict(mosaic_down_prewait=True))
+    up, down = lowered_kernels.mosaic_modules(text)
+    assert text.count("uses_pdl") == 1 and text.count("griddepcontrol.launch_dependents") == 1
+    assert "griddepcontrol" not in lowered_kernels.lower_moe(*lowered_kernels.SHAPES[shapes], 1, {})
+    assert "cp.async.bulk.prefetch.tensor" not in up and "griddepcontrol.wait" not in up
+    assert down.count("cp.async.bulk.prefetch.tensor") == boxes
+    assert down.index("cp.async.bulk.prefetch.tensor") < down.index("griddepcontrol.wait")
+
+
+@pytest.mark.skipif(not on_gpu, reason="compiled kernels run only on an NVIDIA GPU")
+@pytest.mark.parametrize("act_quant_sim", [True, False], ids=["fp8_act", "bf16_act"])
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_down_prewait_equals_the_default_on_gpu(test_seed, monkeypatch, n, act_quant_sim):
+    """Compiled, the down launch runs as a programmatic dependent that reads its expert and prefetches before it
+    waits: the op's output is the default's, bit for bit (D = I = 512, several steps a program)."""
+    for dim in ("D", "I"):
+        monkeypatch.setattr(test_kernel_moe_gemm, dim, 512)
+    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
+    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
+                                          interpret=False, fp4_kernel="mosaic", **o))
+    got = run(mosaic_down_prewait=True)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))

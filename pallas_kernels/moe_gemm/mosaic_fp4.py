@@ -429,7 +429,8 @@ class StepMath(NamedTuple):
 def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limit=None, block_k: int = 256,
               stages: int = 3, wait_per_linear: bool = True, k_splits: int = 1, programs: int = 0,
               early_sums: bool = False, pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False,
-              consumers: int = 1, prefetch=None, prefetch_step: int = 0, interpret=None):
+              consumers: int = 1, prefetch=None, prefetch_step: int = 0, prewait: bool = False, head=None,
+              interpret=None):
     """Every tile's pairs times its expert's FP4 weights, on FP8 tensor cores (or bf16 ones for bf16 activations).
 
     x_tiles:  e4m3 codes or bf16 values [T, K / 32, N, 32]: tile t's N pair rows (zeros where unused), columns in
@@ -463,6 +464,13 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     prefetch: an FP4 `Linear` stack (the down projection's, for gate/up) whose tile expert's codes and scales the
     launch's programs pull into L2, each its 1 / (n_out / 64) share, at pipeline step `prefetch_step` (`l2_prefetch`:
     values unchanged; K split 0's programs only). Tile grid only.
+    prewait (with pdl): each program reads its tile's expert and prefetches its own weight rows and their scales
+    into L2 (`l2_prefetch.issue`) *before* `griddepcontrol.wait`, so the weights start coming while the previous
+    kernel ends. Safe only where the experts (`head`, or the [T, 4] rows made here) and the weights were finished
+    before the kernel just before this one began — e.g. the down launch, whose head the up launch read. Tile grid,
+    one consumer, no stream_scales / quad_waits, no `prefetch`.
+    head: the kernel's [T, 4] int32 expert rows (`expert_rows(experts)`) when the caller shares one array between
+    launches (None: made here).
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
     T, nkb, N, _ = x_tiles.shape
     K = nkb * BLOCK
@@ -494,6 +502,11 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         raise ValueError(f"moe_gemm mosaic_fp4: prefetch is a tile grid option (programs=0, one consumer) at a "
                          f"step of the {K // block_k // k_splits} a program runs, got programs {programs}, consumers "
                          f"{consumers}, prefetch_step {prefetch_step}")
+    if prewait and (not pdl or programs or consumers != 1 or quad_waits or stream_scales or prefetch is not None):
+        raise ValueError("moe_gemm mosaic_fp4: prewait needs pdl, the tile grid (programs=0, one consumer), no "
+                         "quad_waits or stream_scales and no prefetch")
+    if head is not None and (programs or consumers != 1 or quad_waits or stream_scales):
+        raise ValueError("moe_gemm mosaic_fp4: a shared head is the tile grid's [T, 4] int32 expert rows")
     if stream_scales and not streams_scales(K, block_k):
         raise ValueError(f"moe_gemm mosaic_fp4: stream_scales needs K / {QUAD} a multiple of the "
                          f"{scale_block_words(block_k)} scale words a streamed block holds, got K {K}")
@@ -507,7 +520,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     # 64 bytes: TMA wants 16-byte strides, which a row of Q words is not for every K, e.g. V4.1's 2304 / 128 = 18)
     scales = [fp4_words(l.scale).reshape((E * n_out, Q) if stream_scales else (E * n_out // ROWS, 4 * Q, 16))
               for l in lins]
-    pf = [] if prefetch is None else l2_prefetch.operands(prefetch)         # flat [E, M, w] words
+    pf = (l2_prefetch.operands(prefetch) if prefetch is not None else        # flat [E, M, w] words
+          [a for l in lins for a in l2_prefetch.operands(l)] if prewait else [])
     pw = (jnp.zeros((T, N), jnp.float32) if pair_weight is None else pair_weight).astype(jnp.float32)
     if pw.shape != (T, N):
         raise ValueError(f"moe_gemm mosaic_fp4: pair_weight must be [T, N] = {(T, N)}, got {pw.shape}")
@@ -537,13 +551,22 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
         else:
             e_s, xs_s, pw_s, *scratch = scratch
         sc_s, o_s, bars = (None, *scratch) if stream_scales else scratch
-        if pdl and not interpreting:
-            plgpu.griddepcontrol_wait()         # the inputs are the previous kernel's outputs: nothing read before
         t, r, split = lax.axis_index("t"), lax.axis_index("r"), lax.axis_index("s")
         rows = pl.ds(r * ROWS, ROWS)
-        plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
-        plgpu.barrier_wait(bars.at[0])
-        e = e_s[0].astype(jnp.int32) if shared_side else e_s[0]      # shared: the expert as an fp32 value
+
+        def tile_expert():
+            plgpu.copy_gmem_to_smem(e_ref.at[t], e_s, bars.at[0])
+            plgpu.barrier_wait(bars.at[0])
+            return e_s[0].astype(jnp.int32) if shared_side else e_s[0]  # shared: the expert as an fp32 value
+
+        early = pdl and prewait and not interpreting
+        if early:                               # the expert and the weights were done before the kernel just before
+            e = tile_expert()
+            pl.when((e >= 0) & (split == 0))(lambda: l2_prefetch.issue(pf_refs, e, r, n_out // ROWS))
+        if pdl and not interpreting:
+            plgpu.griddepcontrol_wait()         # the activations are the previous kernel's outputs: read after
+        if not early:
+            e = tile_expert()
 
         @pl.when(e >= 0)
         def _tile():
@@ -561,7 +584,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                     for i in range(len(copies)):
                         plgpu.barrier_wait(bars.at[1 + i])
 
-                if pf_refs:
+                if pf_refs and not prewait:
                     pl.when((idx[0] == prefetch_step) & (split == 0))(
                         lambda: l2_prefetch.issue(pf_refs, e, r, n_out // ROWS))
                 k = idx[0] + split * steps                 # the step's place in all of K
@@ -611,7 +634,7 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
                 plgpu.Barrier(num_barriers=2 + fp8 + (0 if stream_scales else n_lin)),
             ],
             interpret=interp)
-        head = expert_rows(experts, jnp.float32 if shared_side else jnp.int32)
+        head = expert_rows(experts, jnp.float32 if shared_side else jnp.int32) if head is None else head
     out = kernel(head, x_tiles, *([x_scales] if fp8 else []), pw, *words, *scales, *pf)
     if not split_out:
         return out
@@ -661,7 +684,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
              pairs: int | None = None, route_kernel: bool | None = None, route_warps: int | None = None,
              programs: int = 0, early_sums: bool = False,
              pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1,
-             prefetch_down: int | None = None):
+             prefetch_down: int | None = None, down_prewait: bool = False):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -682,7 +705,11 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales too, for each GEMM whose contraction can
     (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for each GEMM whose rows it divides (else 1).
     prefetch_down: None, or the up launch's pipeline step at which each of its programs pulls its share of its
-    expert's down weights into L2 (`l2_prefetch`; the tile grid only; H100: 0.5-7% slower at 1-2 tokens, opt-in)."""
+    expert's down weights into L2 (`l2_prefetch`; the tile grid only; H100: 0.5-7% slower at 1-2 tokens, opt-in).
+    down_prewait: the down launch as a programmatic dependent (`tile_gemm`'s pdl) whose programs read their expert
+    and prefetch their own weights into L2 before waiting for the h codes (`tile_gemm`'s prewait); both launches
+    read one [T, 4] expert head, which the up launch's read makes safe for the down launch to read early; the h
+    codes' programs let it launch as they start (`tile_operands`' trigger)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, ROUTE_WARPS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -716,13 +743,17 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 
     slots = (sl.experts.shape[0], pairs)
+    shared = dict(head=expert_rows(sl.experts)) if down_prewait else {}
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D, shape=slots)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
                   k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I),
-                  prefetch=None if prefetch_down is None else w2, prefetch_step=prefetch_down or 0, **opts)  # [T, I, N]
-    ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I, shape=slots)              # h's columns as stored
+                  prefetch=None if prefetch_down is None else w2, prefetch_step=prefetch_down or 0, **shared,
+                  **opts)  # [T, I, N]
+    trigger = dict(trigger=True) if down_prewait and codes_kernel else {}         # the down launch may start early
+    ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I, shape=slots, **trigger)   # h's columns as stored
     # the down launch carries the up launch's pair weights unread (one Linear: no h), where zeros were a kernel
+    down = dict(opts, pdl=True, prewait=True, **shared) if down_prewait else opts
     y = tile_gemm(ht, hs, sl.experts, [w2], pair_weight=sl.pair_weight, k_splits=splits(I, down_splits),
-                  stream_scales=stream(I), consumers=wgs(D), **opts)                 # [T, D, N]
+                  stream_scales=stream(I), consumers=wgs(D), **down)                 # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))
     return sum_in_order(y_pairs.reshape(n, k, D).astype(jnp.float32), axis=1)

@@ -49,22 +49,30 @@ def _check(src, row_offset, K: int, block: int, shape) -> tuple[int, int]:
 
 
 def tile_operands(src, row_offset, col_stride: int, K: int, *, codes: bool, block: int = QUAD, shape=None,
-                  interpret=None):
+                  interpret=None, trigger: bool = False):
     """src: the rows' values, flat (bf16); row_offset [T, N] int32 (or flat, slot (t, n) at t x N + n, with
     shape=(T, N); entries past T x N are not read): where slot (t, n)'s row starts in src (-1: an empty slot,
     zeros); column c of that row lies at row_offset + c * col_stride. -> (x_tiles [T, K / 32, N, 32]:
     e4m3 codes (codes) or the values, columns in `mma_columns` order; x_scales [T, K / 128, N] fp32, 0 for empty
-    slots, or None). codes: quantized per `block` columns of a row, equal to `quant.fp8_e4m3_codes(row, block)`."""
+    slots, or None). codes: quantized per `block` columns of a row, equal to `quant.fp8_e4m3_codes(row, block)`.
+    trigger: each program first lets a programmatic dependent launch (`griddepcontrol.launch_dependents`, compiled
+    only), so the next kernel, if it is one (the op's down launch with `down_prewait`), starts its work that needs
+    none of these outputs while this one runs; it waits for them with `griddepcontrol.wait`."""
     T, N = _check(src, row_offset, K, block, shape)
     G = block // BLOCK                                   # 32-column blocks a program
     S = min(N, SLOTS)                                    # slots a program
     R = pow2_ceil(G * S)                                 # rows of a program's register tile
     Sp = pow2_ceil(S)                                    # slots, padded to a power of two (Triton's ranges)
     Q = block // QUAD
+    interpreting = triton_interpret(interpret) not in (None, False)
 
     def body(src_ref, off_ref, tiles_ref, *scales_ref):
         t, kb = pl.program_id(0), pl.program_id(1)
         r = iota(R)
+        if trigger and not interpreting:        # r through the statement, so the (pure) statement is kept
+            r = plt.elementwise_inline_asm("griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[r],
+                                           constraints="=r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(r.shape, r.dtype)])[0]
         local, g = r % S, r // S
         s = pl.program_id(2) * S + local
         live = (r < G * S) & (s < N)
