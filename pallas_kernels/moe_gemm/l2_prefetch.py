@@ -10,6 +10,8 @@ them there. It changes no value: the op's outputs are the same bits (interpret m
 launch's stream (50 MB on an H100 or H200): one token's six experts are 25 MB. Measured on an H100 (2026-12-07,
 docs/benchmarks.md "The down weights in L2 before the down launch"): the down kernel only 1.4-1.7 µs faster at one
 token (it is bound by its programs' latency chain, not DRAM), the up kernel 2.5-5 µs slower; so it is opt-in.
+`issue` also serves the down launch's own rows before its programmatic wait (`tile_gemm`'s prewait: the Linears'
+own flat views with the launch's row blocks as the programs), opt-in as well.
 
 Each expert's stored words (and scale words) are viewed flat as rows of 256, 64 or 16 bytes (`flat_rows`), and
 program r of the up launch's `programs` row blocks takes rows [r·c, (r + 1)·c) of its expert, c = ⌈rows / programs⌉,

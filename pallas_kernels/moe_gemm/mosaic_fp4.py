@@ -709,7 +709,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     down_prewait: the down launch as a programmatic dependent (`tile_gemm`'s pdl) whose programs read their expert
     and prefetch their own weights into L2 before waiting for the h codes (`tile_gemm`'s prewait); both launches
     read one [T, 4] expert head, which the up launch's read makes safe for the down launch to read early; the h
-    codes' programs let it launch as they start (`tile_operands`' trigger)."""
+    codes' programs let it launch as they start (`tile_operands`' trigger). H100 (2026-12-07): 3-5 µs slower at
+    1-2 tokens, 14 at 8 (the early programs crowd the h codes; the down launch's time is its work after the wait);
+    opt-in."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, ROUTE_WARPS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
