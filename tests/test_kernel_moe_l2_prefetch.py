@@ -51,8 +51,8 @@ def test_flat_rows_keep_each_expert_whole():
 @pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "bf16"])
 def test_prefetch_changes_no_value(test_seed, fp8):
     """h with the prefetch at the first and at the last step equals h without, bit for bit on the used tiles (an
-    unused tile, -1, between them); the op with `mosaic_prefetch_down` equals the op without; and the options it
-    cannot run with are refused."""
+    unused tile, -1, between them; both forms, whose operand lists differ by the x scales); the op with
+    `mosaic_prefetch_down` equals the op without (FP8 form); and the options it cannot run with are refused."""
     codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8)
     opts = dict(block_k=256, stages=2, pair_weight=pw, swiglu_limit=LIMIT, interpret=None if on_gpu else True)
     h = np.asarray(mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], **opts))
@@ -64,6 +64,8 @@ def test_prefetch_changes_no_value(test_seed, fp8):
         with pytest.raises(ValueError, match="prefetch is a tile grid option"):
             mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], prefetch=w3, **{**opts, **bad})
 
+    if not fp8:
+        return                  # the op's plumbing is the same in both forms: once is enough (CI time)
     x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 2)
     run = functools.partial(moe_gemm, x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=fp8,
                             act_quant_block=128, implementation="pallas", interpret=None if on_gpu else True,
