@@ -46,7 +46,7 @@ def test_kernel_equals_xla_form(test_seed, n, pairs):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels run only on an NVIDIA GPU")
-@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("warps", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("n,pairs", [(1, 8), (8, 8), (10, 24)])
 def test_compiled_kernel_equals_xla_form_on_gpu(test_seed, n, pairs, warps):
     """Compiled, with each warp count the op may ask for (`moe_gemm(..., route_warps=)`)."""
