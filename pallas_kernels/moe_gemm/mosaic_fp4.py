@@ -705,7 +705,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales too, for each GEMM whose contraction can
     (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for each GEMM whose rows it divides (else 1).
     prefetch_down: None, or the up launch's pipeline step at which each of its programs pulls its share of its
-    expert's down weights into L2 (`l2_prefetch`; the tile grid only; H100: 0.5-7% slower at 1-2 tokens, opt-in).
+    expert's down weights into L2 (`l2_prefetch`; the tile grid only; H100: 2-11% slower at 1-2 tokens, opt-in).
     down_prewait: the down launch as a programmatic dependent (`tile_gemm`'s pdl) whose programs read their expert
     and prefetch their own weights into L2 before waiting for the h codes (`tile_gemm`'s prewait); both launches
     read one [T, 4] expert head, which the up launch's read makes safe for the down launch to read early; the h
