@@ -50,16 +50,15 @@ def test_flat_rows_keep_each_expert_whole():
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["e4m3", "bf16"])
 def test_prefetch_changes_no_value(test_seed, fp8):
-    """h with the prefetch at the first and at the last step equals h without, bit for bit on the used tiles (an
+    """h with the prefetch at the last step equals h without, bit for bit on the used tiles (an
     unused tile, -1, between them; both forms, whose operand lists differ by the x scales); the op with
     `mosaic_prefetch_down` equals the op without (FP8 form); and the options it cannot run with are refused."""
     codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, fp8)
     opts = dict(block_k=256, stages=2, pair_weight=pw, swiglu_limit=LIMIT, interpret=None if on_gpu else True)
     h = np.asarray(mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], **opts))
     used = np.asarray(experts) >= 0
-    for step in (0, 1):                                         # K = 512: two steps of 256 columns
-        got = np.asarray(mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], prefetch=w3, prefetch_step=step, **opts))
-        np.testing.assert_array_equal(got[used].view(np.uint16), h[used].view(np.uint16))
+    got = np.asarray(mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], prefetch=w3, prefetch_step=1, **opts))
+    np.testing.assert_array_equal(got[used].view(np.uint16), h[used].view(np.uint16))   # K = 512: step 1 is the last
     for bad in (dict(prefetch_step=2), dict(programs=3), dict(prefetch_step=1, k_splits=2)):
         with pytest.raises(ValueError, match="prefetch is a tile grid option"):
             mosaic_fp4.tile_gemm(xt, xs, experts, [w1, w3], prefetch=w3, **{**opts, **bad})
