@@ -4,8 +4,6 @@ kernel (`mosaic_down_prewait`). Neither may change a value (interpreted here, wh
 launch waits, that checks the operands' plumbing; compiled on a GPU, the real instructions); the boxes must cover
 each expert's rows in bounds; and the lowering must put them where the option says."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -18,6 +16,17 @@ from dsjax.bench import lowered_kernels
 from dsjax.kernels.moe_gemm import l2_prefetch, moe_gemm, mosaic_fp4
 
 on_gpu = jax.default_backend() == "gpu"
+
+
+def _assert_op_equals_default(seed, n, act_quant_sim, interpret, **options):
+    """The Mosaic op with `options` against the op without, on one random case: finite and bit for bit equal."""
+    x, weights, ids, w1, w3, w2 = _case(seed, "fp4", n)
+    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
+                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
+                                          interpret=interpret, fp4_kernel="mosaic", **o))
+    got = run(**options)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
 
 
 @pytest.mark.parametrize("M,programs", [(16384, 32), (1024, 32), (23040, 36), (1440, 36), (33, 32), (5, 8),
@@ -65,12 +74,7 @@ def test_prefetch_changes_no_value(test_seed, fp8):
 
     if not fp8:
         return                  # the op's plumbing is the same in both forms: once is enough (CI time)
-    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 2)
-    run = functools.partial(moe_gemm, x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=fp8,
-                            act_quant_block=128, implementation="pallas", interpret=None if on_gpu else True,
-                            fp4_kernel="mosaic")
-    np.testing.assert_array_equal(np.asarray(run(mosaic_prefetch_down=0)).view(np.uint32),
-                                  np.asarray(run()).view(np.uint32))
+    _assert_op_equals_default(test_seed, 2, fp8, None if on_gpu else True, mosaic_prefetch_down=0)
 
 
 @pytest.mark.parametrize("shapes,boxes", [("v4", 3), ("v41", 4)])
@@ -91,25 +95,14 @@ def test_prefetch_equals_the_default_on_gpu(test_seed, monkeypatch, n, step, act
     default's, bit for bit. D = I = 512: two steps a contraction, so step 1 exists."""
     for dim in ("D", "I"):
         monkeypatch.setattr(test_kernel_moe_gemm, dim, 512)
-    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
-    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
-                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
-                                          interpret=False, fp4_kernel="mosaic", **o))
-    got = run(mosaic_prefetch_down=step)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
+    _assert_op_equals_default(test_seed, n, act_quant_sim, False, mosaic_prefetch_down=step)
 
 
 def test_down_prewait_changes_no_value_and_refuses_what_it_cannot_run(test_seed):
     """The op with the down launch's early prefetch equals the op without, bit for bit (the up and down launches
     sharing one expert head); `tile_gemm` refuses prewait without pdl or beside the other options it cannot run
     with, and a shared head outside the tile grid."""
-    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", 2)
-    run = functools.partial(moe_gemm, x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT, act_quant_sim=True,
-                            act_quant_block=128, implementation="pallas", interpret=None if on_gpu else True,
-                            fp4_kernel="mosaic")
-    np.testing.assert_array_equal(np.asarray(run(mosaic_down_prewait=True)).view(np.uint32),
-                                  np.asarray(run()).view(np.uint32))
+    _assert_op_equals_default(test_seed, 2, True, None if on_gpu else True, mosaic_down_prewait=True)
     codes, scales, xt, xs, experts, pw, w1, w3 = _tile_case(test_seed, True)
     opts = dict(block_k=256, stages=2, interpret=True)
     for bad in (dict(prewait=True), dict(prewait=True, pdl=True, prefetch=w3), dict(prewait=True, pdl=True,
@@ -143,10 +136,4 @@ def test_down_prewait_equals_the_default_on_gpu(test_seed, monkeypatch, n, act_q
     waits: the op's output is the default's, bit for bit (D = I = 512, several steps a program)."""
     for dim in ("D", "I"):
         monkeypatch.setattr(test_kernel_moe_gemm, dim, 512)
-    x, weights, ids, w1, w3, w2 = _case(test_seed, "fp4", n)
-    run = lambda **o: np.asarray(moe_gemm(x, weights, ids, w1, w3, w2, swiglu_limit=LIMIT,  # noqa: E731
-                                          act_quant_sim=act_quant_sim, act_quant_block=128, implementation="pallas",
-                                          interpret=False, fp4_kernel="mosaic", **o))
-    got = run(mosaic_down_prewait=True)
-    assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got.view(np.uint32), run().view(np.uint32))
+    _assert_op_equals_default(test_seed, n, act_quant_sim, False, mosaic_down_prewait=True)
