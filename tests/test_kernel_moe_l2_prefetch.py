@@ -109,7 +109,7 @@ def test_down_prewait_changes_no_value_and_refuses_what_it_cannot_run(test_seed)
                                                                                      quad_waits=True)):
         with pytest.raises(ValueError, match="prewait needs pdl"):
             mosaic_fp4.tile_gemm(xt, xs, experts, [w1], **opts, **bad)
-    with pytest.raises(ValueError, match="shared head"):
+    with pytest.raises(ValueError, match="a given head is"):
         mosaic_fp4.tile_gemm(xt, xs, experts, [w1], head=mosaic_fp4.expert_rows(experts), programs=3, **opts)
 
 

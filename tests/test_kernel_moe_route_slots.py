@@ -34,6 +34,13 @@ def _check_kernel_equals_xla_form(got, want, pairs):
         assert getattr(want, name).shape == (slots,) and getattr(got, name).shape == (slots + 1,), name
         np.testing.assert_array_equal(np.asarray(getattr(got, name))[:slots], np.asarray(getattr(want, name)),
                                       err_msg=name)
+    # the kernels' 16-byte expert rows: [expert, 0, 0, 0] a tile; the kernel's one row longer (its spare row)
+    T = got.experts.shape[0]
+    assert got.head.shape == (T + 1, 4) and want.head.shape == (T, 4)
+    assert got.head.dtype == want.head.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got.head)[:T], np.asarray(want.head), err_msg="head")
+    np.testing.assert_array_equal(np.asarray(want.head)[:, 0], np.asarray(want.experts), err_msg="head's experts")
+    assert not np.asarray(want.head)[:, 1:].any()
     # merged repeats: the same fp32 terms summed, maybe in another order (route's top-k never repeats)
     np.testing.assert_allclose(np.asarray(got.pair_weight), np.asarray(want.pair_weight), rtol=2.0 ** -22)
 

@@ -469,8 +469,8 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     kernel ends. Safe only where the experts (`head`, or the [T, 4] rows made here) and the weights were finished
     before the kernel just before this one began — e.g. the down launch, whose head the up launch read. Tile grid,
     one consumer, no stream_scales / quad_waits, no `prefetch`.
-    head: the kernel's [T, 4] int32 expert rows (`expert_rows(experts)`) when the caller shares one array between
-    launches (None: made here).
+    head: the kernel's int32 [>= T, 4] expert rows (`expert_rows(experts)`; rows past T unread) when the caller
+    has them — `route_slots` writes them, and one array serves both launches (None: made here, a pad kernel).
     Returns bf16 [T, n_out, N]: y = round(x · Wᵀ), or h = round(swiglu(round(g), round(u)) · weight)."""
     T, nkb, N, _ = x_tiles.shape
     K = nkb * BLOCK
@@ -505,8 +505,11 @@ def tile_gemm(x_tiles, x_scales, experts, lins, *, pair_weight=None, swiglu_limi
     if prewait and (not pdl or programs or consumers != 1 or quad_waits or stream_scales or prefetch is not None):
         raise ValueError("moe_gemm mosaic_fp4: prewait needs pdl, the tile grid (programs=0, one consumer), no "
                          "quad_waits or stream_scales and no prefetch")
-    if head is not None and (programs or consumers != 1 or quad_waits or stream_scales):
-        raise ValueError("moe_gemm mosaic_fp4: a shared head is the tile grid's [T, 4] int32 expert rows")
+    if head is not None and (programs or consumers != 1 or quad_waits or stream_scales or head.dtype != jnp.int32
+                             or head.ndim != 2 or head.shape[0] < T or head.shape[1] != 4):
+        raise ValueError(f"moe_gemm mosaic_fp4: a given head is the tile grid's int32 [>= T, 4] expert rows "
+                         f"(T = {T}; one consumer, no programs, quad_waits or stream_scales), got "
+                         f"{head.dtype}{list(head.shape)}")
     if stream_scales and not streams_scales(K, block_k):
         raise ValueError(f"moe_gemm mosaic_fp4: stream_scales needs K / {QUAD} a multiple of the "
                          f"{scale_block_words(block_k)} scale words a streamed block holds, got K {K}")
@@ -745,16 +748,19 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 
     slots = (sl.experts.shape[0], pairs)
-    shared = dict(head=expert_rows(sl.experts)) if down_prewait else {}
+    # the routing's 16-byte expert rows, where the launch is the plain tile grid (the other forms make their own)
+    plain = lambda rows, K: not (programs or quad_waits or stream(K) or wgs(rows) != 1)  # noqa: E731
+    grid_head = lambda rows, K: dict(head=sl.head) if plain(rows, K) else {}  # noqa: E731
+    shared = dict(head=sl.head) if down_prewait else {}
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D, shape=slots)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
                   k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I),
-                  prefetch=None if prefetch_down is None else w2, prefetch_step=prefetch_down or 0, **shared,
-                  **opts)  # [T, I, N]
+                  prefetch=None if prefetch_down is None else w2, prefetch_step=prefetch_down or 0,
+                  **(shared or grid_head(I, D)), **opts)  # [T, I, N]
     trigger = dict(trigger=True) if down_prewait and codes_kernel else {}         # the down launch may start early
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I, shape=slots, **trigger)   # h's columns as stored
     # the down launch carries the up launch's pair weights unread (one Linear: no h), where zeros were a kernel
-    down = dict(opts, pdl=True, prewait=True, **shared) if down_prewait else opts
+    down = dict(opts, pdl=True, prewait=True, **shared) if down_prewait else dict(opts, **grid_head(D, I))
     y = tile_gemm(ht, hs, sl.experts, [w2], pair_weight=sl.pair_weight, k_splits=splits(I, down_splits),
                   stream_scales=stream(I), consumers=wgs(D), **down)                 # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))
