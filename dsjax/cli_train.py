@@ -66,7 +66,7 @@ def cmd_train(args) -> int:
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
-    command = "dsjax " + shlex.join(argv) if argv else f"dsjax train --smoke" if args.smoke else "dsjax train"
+    command = "dsjax " + shlex.join(argv) if argv else "dsjax train --smoke" if args.smoke else "dsjax train"
     os.makedirs(args.out, exist_ok=True)
     tok = load_tokenizer("v4")
     t0 = time.perf_counter()

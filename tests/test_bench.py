@@ -397,7 +397,6 @@ def test_moe_profile_lists_the_calls_kernels(tmp_path, capsys):
 def test_looped_timer_keeps_every_output():
     """`time_us_looped` times every kernel of a call: each output feeds the next call, so XLA cannot drop one as
     dead code (the read ceiling's two-launch row once timed its first launch alone)."""
-    import jax
     import jax.numpy as jnp
 
     from dsjax.bench.kernels import looped_calls
@@ -411,7 +410,6 @@ def test_timed_calls_hoist_nothing():
     """Work that depends only on a call's other small inputs (the MoE op's routing: its weights and ids) stays in
     every call: XLA's loop-invariant code motion moved it out of the timed loop while only the first input was
     linked (seen in the compiled HLO on the CPU, 2026-12-06)."""
-    import jax
     import jax.numpy as jnp
 
     from dsjax.bench.kernels import looped_calls

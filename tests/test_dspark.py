@@ -21,7 +21,6 @@ dispatch runs many steps without host callbacks; rejection sampling with the Mar
 oracle hook is a traced switch), so the module costs three loop-side compiles.
 """
 
-import dataclasses
 import functools
 from types import SimpleNamespace
 

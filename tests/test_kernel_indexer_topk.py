@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from interpret_races import INTERPRET, assert_no_races
+from interpret_races import INTERPRET
 from lower_h200 import lower_for_h200
 
 from dsjax import kv_rows, quant

@@ -1,6 +1,5 @@
 """Compact KV rows: byte sizes from the spec, lossless round trips, and a forward that cannot tell them apart."""
 
-import importlib
 
 import jax
 import jax.numpy as jnp

@@ -14,9 +14,9 @@ import pytest
 from dsjax.model import head_logits, head_rows, token_rows
 from dsjax.params import init_params
 from dsjax.train import corpus, export, loop, vocab
-from dsjax.train.loss import merge, split, train_config, with_vocab
+from dsjax.train.loss import split, train_config, with_vocab
 from dsjax.train.models import model_config
-from dsjax.weights import describe, is_info
+from dsjax.weights import describe
 
 V = 129280
 SEQ, BATCH = 32, 2

@@ -9,7 +9,6 @@ One compiled tiny model serves the end-to-end tests (reference-bf16, max_seq_len
 import base64
 import io
 import json
-import threading
 
 import jax
 import jax.numpy as jnp

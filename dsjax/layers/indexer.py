@@ -6,7 +6,6 @@ dtype where the reference rounds it (bf16 einsum, bf16 weights, bf16 head sum), 
 ties, broken toward the lower index as `lax.top_k` does — follow the reference.
 """
 
-import jax
 import jax.numpy as jnp
 
 from dsjax import quant
@@ -48,7 +47,6 @@ def index_scores(x, q, keys, w: Indexer, cfg: ModelConfig, *, max_products_bytes
     Each key's score is the same computation however the keys are blocked (`key_block_scores`)."""
     weights = index_weights(x, w, cfg)
     b, s, nh, _ = q.shape
-    T = keys.shape[1]
     limit = PRODUCTS_BYTES if max_products_bytes is None else max_products_bytes
     per_key = b * s * nh * jnp.dtype(x.dtype).itemsize
     return map_in_blocks(lambda k: key_block_scores(q, k, weights, x.dtype), (keys,), axis=1,

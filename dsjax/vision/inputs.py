@@ -17,7 +17,7 @@ import numpy as np
 from dsjax.config import ModelConfig
 from dsjax.errors import InputError
 from dsjax.vision.decode import load_rgb
-from dsjax.vision.layout import TEXT, expand_placeholders
+from dsjax.vision.layout import expand_placeholders
 from dsjax.vision.preprocess import preprocess
 from dsjax.vision.tower import encode_image
 

@@ -1,7 +1,6 @@
 """The definition of chunk attention in plain jnp (tests only): every query's visible keys gathered into one
 list — the segments' rows it sees, in order, then its picks — and the model's own sink softmax."""
 
-import jax
 import jax.numpy as jnp
 
 from dsjax.kernels.chunk_attention.api import visible

@@ -36,7 +36,6 @@ SMS = 132           # the H100's and H200's SMs: one program each by default
 def used_tiles(experts):
     """int32 [T] tile experts (-1 unused) -> int32 [T + 1, 4]: row i < n = (expert, tile) of the i-th used tile in
     tile order, row T = (n, ...); one 16-byte row a tile (TMA copies whole 16-byte rows)."""
-    T = experts.shape[0]
     experts = experts.astype(jnp.int32)
     order = jnp.argsort(experts < 0, stable=True).astype(jnp.int32)
     rows = jnp.stack([experts[order], order], axis=1)
