@@ -115,11 +115,12 @@ def test_one_linear_reads_no_pair_weights(test_seed, monkeypatch):
 
 
 def test_routing_head_serves_both_launches(test_seed, monkeypatch):
-    """The kernels' 16-byte expert rows come from the routing (`Slots.head`; `route_slots` writes them, one row
-    longer), so no pad kernel runs before the GEMMs: a given head with a row past T gives the outputs of the head
-    made inside, bit for bit on the used tiles (interpreted on CPU; compiled on a GPU); a head of the wrong dtype,
-    width or too few rows, or beside a form that makes its own, is refused; the op hands both launches the
-    routing's one head, from the routing program at 8 tokens and from XLA's map at one (traced only)."""
+    """`mosaic_route_head`: the kernels' 16-byte expert rows from the routing (`Slots.head`; `route_slots` writes
+    them, one row longer), so no pad kernel runs before the GEMMs. A given head with a row past T gives the outputs
+    of the head made inside, bit for bit on the used tiles (interpreted on CPU; compiled on a GPU); a head of the
+    wrong dtype, width or too few rows, or beside a form that makes its own, is refused; with the option the op
+    hands both launches the routing's one head, from the routing program at 8 tokens and from XLA's map at one,
+    and by default none (traced only)."""
     codes, scales, xt, xs, experts, pw, w1, _ = _tile_case(test_seed, True)
     opts = dict(block_k=256, stages=2, interpret=None if on_gpu else True)
     head = jnp.concatenate([mosaic_fp4.expert_rows(experts), jnp.array([[5, 1, 2, 3]], jnp.int32)])
@@ -133,18 +134,22 @@ def test_routing_head_serves_both_launches(test_seed, monkeypatch):
     with pytest.raises(ValueError, match="a given head is"):
         mosaic_fp4.tile_gemm(xt, xs, experts, [w1], head=head, quad_waits=True, **opts)
 
-    tile_gemm = mosaic_fp4.tile_gemm
-    for n, program in ((8, True), (1, False)):
+    tile_gemm, routes = mosaic_fp4.tile_gemm, (route_slots_mod.route_slots_xla, route_slots_mod.route_slots)
+    for n, program, option in ((8, True, True), (1, False, True), (8, True, False)):
         seen, routed = [], []
         monkeypatch.setattr(mosaic_fp4, "tile_gemm", lambda *a, **o: seen.append(o.get("head")) or tile_gemm(*a, **o))
-        route = route_slots_mod.route_slots if program else route_slots_mod.route_slots_xla
+        route = routes[program]
         monkeypatch.setattr(route_slots_mod, route.__name__,
                             lambda *a, **o: routed.append(route(*a, **o)) or routed[-1])
         x, weights, ids, w1_, w3_, w2_ = _case(test_seed, "fp4", n)
         jax.eval_shape(lambda x, weights, ids: moe_gemm(
             x, weights, ids, w1_, w3_, w2_, swiglu_limit=LIMIT, act_quant_sim=True, act_quant_block=128,
-            implementation="pallas", interpret=True, fp4_kernel="mosaic"), x, weights, ids)
-        assert len(routed) == 1 and len(seen) == 2 and seen[0] is routed[0].head and seen[1] is seen[0], n
+            implementation="pallas", interpret=True, fp4_kernel="mosaic", mosaic_route_head=option), x, weights, ids)
+        assert len(routed) == 1 and len(seen) == 2, n
+        if not option:
+            assert routed[0].head is None and seen == [None, None]
+            continue
+        assert seen[0] is routed[0].head and seen[1] is seen[0], n
         assert routed[0].head.shape == (ids.size + program, 4)   # the program's spare row
 
 

@@ -48,8 +48,10 @@ def _check_kernel_equals_xla_form(got, want, pairs):
 @pytest.mark.parametrize("n,pairs", [(1, 8), (3, 8), (8, 8), (8, 16), (10, 24)])
 def test_kernel_equals_xla_form(test_seed, n, pairs):
     w, ids = _routing(test_seed, n)
-    _check_kernel_equals_xla_form(route_slots(w, ids, E, pairs, D, I, interpret=True),
-                                  route_slots_xla(w, ids, E, pairs, D, I), pairs)
+    _check_kernel_equals_xla_form(route_slots(w, ids, E, pairs, D, I, interpret=True, head=True),
+                                  route_slots_xla(w, ids, E, pairs, D, I, head=True), pairs)
+    assert route_slots(w, ids, E, pairs, D, I, interpret=True).head is None    # the rows only where asked
+    assert route_slots_xla(w, ids, E, pairs, D, I).head is None
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels run only on an NVIDIA GPU")
@@ -58,8 +60,8 @@ def test_kernel_equals_xla_form(test_seed, n, pairs):
 def test_compiled_kernel_equals_xla_form_on_gpu(test_seed, n, pairs, warps):
     """Compiled, with each warp count the op may ask for (`moe_gemm(..., route_warps=)`)."""
     w, ids = _routing(test_seed, n)
-    _check_kernel_equals_xla_form(route_slots(w, ids, E, pairs, D, I, interpret=False, warps=warps),
-                                  route_slots_xla(w, ids, E, pairs, D, I), pairs)
+    _check_kernel_equals_xla_form(route_slots(w, ids, E, pairs, D, I, interpret=False, warps=warps, head=True),
+                                  route_slots_xla(w, ids, E, pairs, D, I, head=True), pairs)
 
 
 @pytest.mark.parametrize("n,pairs", [(1, 8), (8, 8), (10, 24), (60, 8)])

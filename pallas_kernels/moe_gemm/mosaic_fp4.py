@@ -687,7 +687,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
              pairs: int | None = None, route_kernel: bool | None = None, route_warps: int | None = None,
              programs: int = 0, early_sums: bool = False,
              pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1,
-             prefetch_down: int | None = None, down_prewait: bool = False):
+             prefetch_down: int | None = None, down_prewait: bool = False, route_head: bool = False):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -714,7 +714,10 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     read one [T, 4] expert head, which the up launch's read makes safe for the down launch to read early; the h
     codes' programs let it launch as they start (`tile_operands`' trigger). H100 (2026-12-07): 3-5 µs slower at
     1-2 tokens, 14 at 8 (the early programs crowd the h codes; the down launch's time is its work after the wait);
-    opt-in."""
+    opt-in. route_head: the kernels' [T, 4] expert rows from the routing (`route_slots(..., head=True)` writes them
+    beside the slots; XLA's one-token map pads them as the kernels would) for both tile-grid launches, instead of a
+    pad kernel of their own (~1.1 µs at every size on an H100); opt-in until timed on a GPU (2026-12-07: built, no
+    device lent)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, ROUTE_WARPS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order
@@ -737,7 +740,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
         route = functools.partial(route_slots, warps=ROUTE_WARPS if route_warps is None else route_warps)
     else:
         route = route_slots_xla
-    sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp)
+    sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp, head=route_head or down_prewait)
     tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
@@ -750,7 +753,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     slots = (sl.experts.shape[0], pairs)
     # the routing's 16-byte expert rows, where the launch is the plain tile grid (the other forms make their own)
     plain = lambda rows, K: not (programs or quad_waits or stream(K) or wgs(rows) != 1)  # noqa: E731
-    grid_head = lambda rows, K: dict(head=sl.head) if plain(rows, K) else {}  # noqa: E731
+    grid_head = lambda rows, K: dict(head=sl.head) if route_head and plain(rows, K) else {}  # noqa: E731
     shared = dict(head=sl.head) if down_prewait else {}
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D, shape=slots)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,

@@ -350,7 +350,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              mosaic_early_sums: bool = False,
              mosaic_pdl: bool = False, mosaic_quad_waits: bool = False, mosaic_stream_scales: bool = False,
              mosaic_consumers: int = 1, mosaic_prefetch_down: int | None = None,
-             mosaic_down_prewait: bool = False):
+             mosaic_down_prewait: bool = False, mosaic_route_head: bool = False):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
@@ -373,7 +373,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
     mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs / mosaic_route_kernel / mosaic_route_warps /
     mosaic_programs / mosaic_early_sums / mosaic_pdl / mosaic_quad_waits / mosaic_stream_scales / mosaic_consumers /
-    mosaic_prefetch_down / mosaic_down_prewait are its options, stages and pairs by default `mosaic_fp4.default_options`); "triton" — these kernels; default
+    mosaic_prefetch_down / mosaic_down_prewait / mosaic_route_head are its options, stages and pairs by default `mosaic_fp4.default_options`); "triton" — these kernels; default
     (`default_fp4_kernel`): "mosaic" where it applies, compiled on a GPU, at every batch size (H200,
     docs/benchmarks.md "FP4 experts on FP8 tensor cores", "... wider tiles at prefill": 1.3-2.8x these kernels at
     1-64 tokens, 1.7-2.4x at 1-2k tokens)."""
@@ -398,7 +398,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
                                    programs=mosaic_programs,
                                    early_sums=mosaic_early_sums, pdl=mosaic_pdl, quad_waits=mosaic_quad_waits,
                                    stream_scales=mosaic_stream_scales, consumers=mosaic_consumers,
-                                   prefetch_down=mosaic_prefetch_down, down_prewait=mosaic_down_prewait)
+                                   prefetch_down=mosaic_prefetch_down, down_prewait=mosaic_down_prewait,
+                                   route_head=mosaic_route_head)
     n, k = ids.shape
     E, I, D = w1.weight.shape[0], w1.weight.shape[1], x.shape[1]
     fp8_mma = FP8_MMA_DEFAULT[w1.fmt] if fp8_mma is None else fp8_mma

@@ -35,14 +35,15 @@ class Slots(NamedTuple):
     pair_weight: jax.Array  # fp32 [T, N]: the slot's routing weight (repeats merged); 0 = empty
     slot_of: jax.Array      # int32 [P]: each pair's slot (t x N + slot), pairs in each token's ascending-expert order
     found: jax.Array        # bool [P]: the pair has a slot (False: weight 0, or a pick of another shard)
-    head: jax.Array         # int32 [>= T, 4]: `mosaic_fp4.expert_rows(experts)`, the kernels' 16-byte expert rows;
-                            # from the kernel one row longer (its spare row), so no pad kernel runs before the GEMMs
+    head: jax.Array | None  # int32 [>= T, 4] where asked: `mosaic_fp4.expert_rows(experts)`, the kernels'
+                            # 16-byte expert rows; the kernel's one row longer (its spare row): no pad kernel
 
 
-def route_slots_xla(weights, ids, n_experts: int, pairs: int, D: int, I: int, interpret=None) -> Slots:
+def route_slots_xla(weights, ids, n_experts: int, pairs: int, D: int, I: int, interpret=None,
+                    head: bool = False) -> Slots:
     """`Slots` from `pallas_triton.expert_pairs` (its tile map by size) and XLA masks; the unsort by compares (a
     scatter above `SCATTER_PAIRS`, where the compare matrix would be pairs x slots; none for one token, whose pairs
-    are tiles in place)."""
+    are tiles in place). head: the kernels' expert rows too (`expert_rows`: a pad)."""
     from dsjax.kernels.moe_gemm.mosaic_fp4 import expert_rows
     from dsjax.kernels.moe_gemm.pallas_triton import expert_pairs
 
@@ -72,17 +73,17 @@ def route_slots_xla(weights, ids, n_experts: int, pairs: int, D: int, I: int, in
         slot_of, found = jnp.maximum(slot_of, 0), slot_of >= 0
     return Slots(tiles[:, 0], jnp.where(valid, original // k * D, -1).reshape(-1),
                  jnp.where(valid, t_of * I * pairs + slot, -1).reshape(-1), jnp.where(valid, pw_sorted[pair], 0.0),
-                 slot_of, found, expert_rows(tiles[:, 0]))
+                 slot_of, found, expert_rows(tiles[:, 0]) if head else None)
 
 
 def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interpret=None,
-                warps: int = ROUTE_WARPS) -> Slots:
+                warps: int = ROUTE_WARPS, head: bool = False) -> Slots:
     """`Slots` in one Triton program, tiles indexed by pair (T = P, as the counted map makes them). Each pick
     finds its place in its token's ascending-expert order, its merged weight, its rank among the pairs (by key,
     then place) and so its tile and slot, by compares with every other pick; then every slot is written once —
-    by its pair, or as empty by the tile's own row of the map — and every tile's 16-byte expert row (the kernels'
-    head, which was a pad kernel of its own: ~1.1 µs at every size on an H100, docs/benchmarks.md). warps: the
-    program's (its [P, P] work spread)."""
+    by its pair, or as empty by the tile's own row of the map. warps: the program's (its [P, P] work spread).
+    head: every tile's 16-byte expert row too (the kernels' head, otherwise a pad kernel of its own: ~1.1 µs at
+    every size on an H100, docs/benchmarks.md), one row longer (the spare row)."""
     n, k = ids.shape
     P, N, E = n * k, pairs, n_experts
     if P > ROUTE_PAIRS:
@@ -90,8 +91,9 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"route_slots: warps must be a power of two from 1 to 32, got {warps!r}")
     Pp, Np = pow2_ceil(P), pow2_ceil(N)
+    with_head = head
 
-    def body(ids_ref, w_ref, experts_ref, x_ref, h_ref, pw_ref, slot_ref, found_ref, head_ref):
+    def body(ids_ref, w_ref, experts_ref, x_ref, h_ref, pw_ref, slot_ref, found_ref, *head_ref):
         a = iota(Pp)
         live = a < P
         pick = jnp.where(live, gather(ids_ref, a, mask=live), E)
@@ -122,8 +124,9 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
         own = jnp.where(live, p, P)
         tile_expert = jnp.where(starts, key, -1)
         plt.store(experts_ref.at[own], tile_expert)
-        c = iota(4)[None, :]                                                 # the head: [expert, 0, 0, 0] a tile
-        plt.store(head_ref.at[own[:, None] * 4 + c], jnp.where(c == 0, tile_expert[:, None], 0))
+        if with_head:                                                        # [expert, 0, 0, 0] a tile
+            c = iota(4)[None, :]
+            plt.store(head_ref[0].at[own[:, None] * 4 + c], jnp.where(c == 0, tile_expert[:, None], 0))
         plt.store(slot_ref.at[own], jnp.where(valid, at, 0))
         plt.store(found_ref.at[own], valid.astype(jnp.int32))
         plt.store(x_ref.at[at], i * D)
@@ -137,10 +140,10 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
         plt.store(pw_ref.at[rows], jnp.zeros((Pp, Np), jnp.float32))
 
     i32 = lambda m: jax.ShapeDtypeStruct((m + 1,), jnp.int32)  # noqa: E731  (+1: the spare element)
-    experts, x_off, h_off, pw, slot_of, found, head = pl.pallas_call(
+    experts, x_off, h_off, pw, slot_of, found, *rows = pl.pallas_call(
         body, out_shape=(i32(P), i32(P * N), i32(P * N), jax.ShapeDtypeStruct((P * N + 1,), jnp.float32), i32(P),
-                         i32(P), jax.ShapeDtypeStruct(((P + 1) * 4,), jnp.int32)),
+                         i32(P), *([jax.ShapeDtypeStruct(((P + 1) * 4,), jnp.int32)] if with_head else [])),
         grid=(1,), compiler_params=triton_params(warps, 1), interpret=triton_interpret(interpret),
         name="moe_route_slots")(ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32))
     return Slots(experts[:P], x_off, h_off, pw[:P * N].reshape(P, N), slot_of[:P], found[:P] != 0,
-                 head.reshape(P + 1, 4))
+                 rows[0].reshape(P + 1, 4) if with_head else None)
