@@ -740,7 +740,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
         route = functools.partial(route_slots, warps=ROUTE_WARPS if route_warps is None else route_warps)
     else:
         route = route_slots_xla
-    sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp, head=route_head or down_prewait)
+    sl = route(weights, ids, E, pairs, D, I, interpret=triton_interp, head=route_head)
     tiled = functools.partial(tile_operands if codes_kernel else tile_operands_xla, codes=act_quant_sim,
                               block=act_quant_block if act_quant_sim else QUAD, interpret=triton_interp)
     opts = dict(block_k=block_k, stages=stages, wait_per_linear=wait_per_linear, programs=programs,
@@ -754,7 +754,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     # the routing's 16-byte expert rows, where the launch is the plain tile grid (the other forms make their own)
     plain = lambda rows, K: not (programs or quad_waits or stream(K) or wgs(rows) != 1)  # noqa: E731
     grid_head = lambda rows, K: dict(head=sl.head) if route_head and plain(rows, K) else {}  # noqa: E731
-    shared = dict(head=sl.head) if down_prewait else {}
+    shared = dict(head=sl.head if route_head else expert_rows(sl.experts)) if down_prewait else {}
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D, shape=slots)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
                   k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I),
