@@ -24,8 +24,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit: float, act_quant_sim:
     `mosaic_fp4`). kernel_options (block_m, block_i, block_d, block_k, num_warps, num_stages, target_programs,
     interpret, fp4_asm, fp8_mma, fp8_dot, fused, in_kernel_quant, codes_kernel, fp4_kernel, mosaic_block_k,
     mosaic_stages, mosaic_wait_per_linear, mosaic_k_splits, mosaic_pairs, mosaic_route_kernel, mosaic_route_warps,
-    mosaic_programs, mosaic_early_sums, mosaic_pdl, mosaic_quad_waits, mosaic_stream_scales, mosaic_consumers, mosaic_prefetch_down,
-    mosaic_down_prewait, mosaic_route_head: see
+    mosaic_programs, mosaic_early_sums, mosaic_pdl, mosaic_quad_waits, mosaic_stream_scales, mosaic_consumers,
+    mosaic_prefetch_down, mosaic_down_prewait, mosaic_route_head: see
     `pallas_triton.moe_gemm`) go to the Pallas kernel only.
     """
     impl = check_implementation(implementation)

@@ -14,9 +14,9 @@ token (it is bound by its programs' latency chain, not DRAM), the up kernel 2.5-
 own flat views with the launch's row blocks as the programs), opt-in as well.
 
 Each expert's stored words (and scale words) are viewed flat as rows of 256, 64 or 16 bytes (`flat_rows`), and
-program r of the up launch's `programs` row blocks takes rows [r·c, (r + 1)·c) of its expert, c = ⌈rows / programs⌉,
-as TMA boxes of at most 256 rows (a box dimension's limit); the last box is moved back inside the stack (an overlap
-is read twice into L2, harmlessly)."""
+program r of the up launch's `programs` row blocks takes rows [r·c, (r + 1)·c) of its expert,
+c = ⌈rows / programs⌉, as TMA boxes of at most 256 rows (a box dimension's limit); the last box is moved back
+inside the stack (an overlap is read twice into L2, harmlessly)."""
 
 import math
 

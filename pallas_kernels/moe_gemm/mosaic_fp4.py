@@ -751,19 +751,21 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     stream = lambda K: stream_scales and not programs and streams_scales(K, block_k)  # noqa: E731
 
     slots = (sl.experts.shape[0], pairs)
-    # the routing's 16-byte expert rows, where the launch is the plain tile grid (the other forms make their own)
+    # one array of 16-byte expert rows for both launches: the routing's (route_head) or, for down_prewait, one pad;
+    # handed to a launch that is the plain tile grid (the other forms make their own), and always with prewait
+    head = sl.head if route_head else expert_rows(sl.experts) if down_prewait else None
     plain = lambda rows, K: not (programs or quad_waits or stream(K) or wgs(rows) != 1)  # noqa: E731
-    grid_head = lambda rows, K: dict(head=sl.head) if route_head and plain(rows, K) else {}  # noqa: E731
-    shared = dict(head=sl.head if route_head else expert_rows(sl.experts)) if down_prewait else {}
+    given = lambda rows, K: (dict(head=head) if head is not None and (down_prewait or plain(rows, K))  # noqa: E731
+                             else {})
     xt, xs = tiled(x.reshape(-1), sl.x_offset, 1, D, shape=slots)
     h = tile_gemm(xt, xs, sl.experts, [w1, w3], pair_weight=sl.pair_weight, swiglu_limit=swiglu_limit,
                   k_splits=splits(D, up_splits), stream_scales=stream(D), consumers=wgs(I),
                   prefetch=None if prefetch_down is None else w2, prefetch_step=prefetch_down or 0,
-                  **(shared or grid_head(I, D)), **opts)  # [T, I, N]
+                  **given(I, D), **opts)  # [T, I, N]
     trigger = dict(trigger=True) if down_prewait and codes_kernel else {}         # the down launch may start early
     ht, hs = tiled(h.reshape(-1), sl.h_offset, pairs, I, shape=slots, **trigger)   # h's columns as stored
     # the down launch carries the up launch's pair weights unread (one Linear: no h), where zeros were a kernel
-    down = dict(opts, pdl=True, prewait=True, **shared) if down_prewait else dict(opts, **grid_head(D, I))
+    down = dict(opts, **given(D, I), **(dict(pdl=True, prewait=True) if down_prewait else {}))
     y = tile_gemm(ht, hs, sl.experts, [w2], pair_weight=sl.pair_weight, k_splits=splits(I, down_splits),
                   stream_scales=stream(I), consumers=wgs(D), **down)                 # [T, D, N]
     y_pairs = jnp.where(sl.found[:, None], y[sl.slot_of // pairs, :, sl.slot_of % pairs], jnp.zeros((), x.dtype))

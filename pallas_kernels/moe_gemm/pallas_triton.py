@@ -373,7 +373,8 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
     activations, bf16 — bits in registers, one wgmma a scale block; mosaic_block_k / mosaic_stages /
     mosaic_wait_per_linear / mosaic_k_splits / mosaic_pairs / mosaic_route_kernel / mosaic_route_warps /
     mosaic_programs / mosaic_early_sums / mosaic_pdl / mosaic_quad_waits / mosaic_stream_scales / mosaic_consumers /
-    mosaic_prefetch_down / mosaic_down_prewait / mosaic_route_head are its options, stages and pairs by default `mosaic_fp4.default_options`); "triton" — these kernels; default
+    mosaic_prefetch_down / mosaic_down_prewait / mosaic_route_head are its options, stages and pairs by default
+    `mosaic_fp4.default_options`); "triton" — these kernels; default
     (`default_fp4_kernel`): "mosaic" where it applies, compiled on a GPU, at every batch size (H200,
     docs/benchmarks.md "FP4 experts on FP8 tensor cores", "... wider tiles at prefill": 1.3-2.8x these kernels at
     1-64 tokens, 1.7-2.4x at 1-2k tokens)."""

@@ -91,7 +91,6 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"route_slots: warps must be a power of two from 1 to 32, got {warps!r}")
     Pp, Np = pow2_ceil(P), pow2_ceil(N)
-    with_head = head
 
     def body(ids_ref, w_ref, experts_ref, x_ref, h_ref, pw_ref, slot_ref, found_ref, *head_ref):
         a = iota(Pp)
@@ -116,15 +115,15 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
         slot = within % N
         valid = live & (key < E)
         starts = valid & (slot == 0)
-        head = same & (col(within) == (within - slot)[:, None])              # the pair that starts my tile
-        tile = jnp.sum(jnp.where(head, col(p), 0), axis=1)
+        leader = same & (col(within) == (within - slot)[:, None])            # the pair that starts my tile
+        tile = jnp.sum(jnp.where(leader, col(p), 0), axis=1)
         # masked lanes aim at a spare last element: the HLO interpreter writes them back (old values), and two
         # lanes of one store must not meet
         at = jnp.where(valid, tile * N + slot, P * N)
         own = jnp.where(live, p, P)
         tile_expert = jnp.where(starts, key, -1)
         plt.store(experts_ref.at[own], tile_expert)
-        if with_head:                                                        # [expert, 0, 0, 0] a tile
+        if head:                                                             # [expert, 0, 0, 0] a tile
             c = iota(4)[None, :]
             plt.store(head_ref[0].at[own[:, None] * 4 + c], jnp.where(c == 0, tile_expert[:, None], 0))
         plt.store(slot_ref.at[own], jnp.where(valid, at, 0))
@@ -142,8 +141,8 @@ def route_slots(weights, ids, n_experts: int, pairs: int, D: int, I: int, interp
     i32 = lambda m: jax.ShapeDtypeStruct((m + 1,), jnp.int32)  # noqa: E731  (+1: the spare element)
     experts, x_off, h_off, pw, slot_of, found, *rows = pl.pallas_call(
         body, out_shape=(i32(P), i32(P * N), i32(P * N), jax.ShapeDtypeStruct((P * N + 1,), jnp.float32), i32(P),
-                         i32(P), *([jax.ShapeDtypeStruct(((P + 1) * 4,), jnp.int32)] if with_head else [])),
+                         i32(P), *([jax.ShapeDtypeStruct(((P + 1) * 4,), jnp.int32)] if head else [])),
         grid=(1,), compiler_params=triton_params(warps, 1), interpret=triton_interpret(interpret),
         name="moe_route_slots")(ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32))
     return Slots(experts[:P], x_off, h_off, pw[:P * N].reshape(P, N), slot_of[:P], found[:P] != 0,
-                 rows[0].reshape(P + 1, 4) if with_head else None)
+                 rows[0].reshape(P + 1, 4) if head else None)
