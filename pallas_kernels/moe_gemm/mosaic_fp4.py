@@ -687,7 +687,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
              pairs: int | None = None, route_kernel: bool | None = None, route_warps: int | None = None,
              programs: int = 0, early_sums: bool = False,
              pdl: bool = False, quad_waits: bool = False, stream_scales: bool = False, consumers: int = 1,
-             prefetch_down: int | None = None, down_prewait: bool = False, route_head: bool = False):
+             prefetch_down: int | None = None, down_prewait: bool = False, route_head: bool = True):
     """The routed-expert op (`api.moe_gemm`'s contract, bf16 compute) with both GEMMs on `tile_gemm`: pairs grouped
     by expert as the Triton path groups them (`pallas_triton`), tiles of up to `pairs` pairs (wgmma's N: a multiple
     of 8; more pairs a tile read each expert's weights fewer times at prefill sizes, at more registers; default
@@ -701,11 +701,11 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     XLA's small kernels (`route_slots_xla`); default (None): the program from 2 tokens to `ROUTE_PAIRS` pairs, XLA's
     one-token map at one token (H100, 2026-12-06, docs/benchmarks.md "The routing program by default from 2 tokens":
     the op's kernels 1.3-5% faster at 2-8 tokens, equal at one; outputs bit for bit the same); route_warps: its
-    warps (default `route_slots.ROUTE_WARPS`; 8 and 16 were no faster). k_splits: `tile_gemm`'s, for each GEMM
-    whose K steps it divides (else 1); a pair (up, down) gives each GEMM its own (one decode token runs 192 up
-    programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs: `tile_gemm`'s
-    (0: the tile grid; e.g. 132: the persistent launch, one program an SM, for both GEMMs). early_sums, pdl,
-    quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales too, for each GEMM whose contraction can
+    warps (default `route_slots.ROUTE_WARPS`, 4; 8 and 16 were no faster, 1 and 2 slower). k_splits: `tile_gemm`'s,
+    for each GEMM whose K steps it divides (else 1); a pair (up, down) gives each GEMM its own (one decode token
+    runs 192 up programs on 132 SMs but 384 down ones, so a split can pay for one and not the other). programs:
+    `tile_gemm`'s (0: the tile grid; e.g. 132: the persistent launch, one program an SM, for both GEMMs).
+    early_sums, pdl, quad_waits: `tile_gemm`'s, for both GEMMs; stream_scales too, for each GEMM whose contraction can
     (`streams_scales`; the tile grid only); consumers: `tile_gemm`'s, for each GEMM whose rows it divides (else 1).
     prefetch_down: None, or the up launch's pipeline step at which each of its programs pulls its share of its
     expert's down weights into L2 (`l2_prefetch`; the tile grid only; H100: 2-11% slower at 1-2 tokens, opt-in).
@@ -716,8 +716,9 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim: bool, 
     1-2 tokens, 14 at 8 (the early programs crowd the h codes; the down launch's time is its work after the wait);
     opt-in. route_head: the kernels' [T, 4] expert rows from the routing (`route_slots(..., head=True)` writes them
     beside the slots; XLA's one-token map pads them as the kernels would) for both tile-grid launches, instead of a
-    pad kernel of their own (~1.1 µs at every size on an H100); opt-in until timed on a GPU (2026-12-07: built, no
-    device lent)."""
+    pad kernel of their own (~1.1 µs at every size on an H100); the default (H100, 2026-12-07, docs/benchmarks.md
+    "The routing writes the kernels' expert rows": the op's kernels ~1 µs less at 2-8 tokens, the same at one, where
+    XLA's map pads them either way; outputs bit for bit the same)."""
     from dsjax.kernels.moe_gemm.route_slots import ROUTE_PAIRS, ROUTE_WARPS, route_slots, route_slots_xla
     from dsjax.kernels.moe_gemm.tile_operands import tile_operands, tile_operands_xla
     from dsjax.numerics import sum_in_order

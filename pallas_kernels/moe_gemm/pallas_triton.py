@@ -350,7 +350,7 @@ def moe_gemm(x, weights, ids, w1, w3, w2, *, swiglu_limit, act_quant_sim, act_qu
              mosaic_early_sums: bool = False,
              mosaic_pdl: bool = False, mosaic_quad_waits: bool = False, mosaic_stream_scales: bool = False,
              mosaic_consumers: int = 1, mosaic_prefetch_down: int | None = None,
-             mosaic_down_prewait: bool = False, mosaic_route_head: bool = False):
+             mosaic_down_prewait: bool = False, mosaic_route_head: bool = True):
     """Output tiles default to 32 weight rows for FP4 experts and up to 64 tokens (the H200 sweep's best at 1-8
     tokens: more programs in flight), 64 otherwise; tiles of 16 pairs up to 64 tokens, 32 beyond (the prefill
     sweep at 1,024 / 2,048 tokens: 1.62x / 1.47x over 16; 64 and 128 were slower) (docs/benchmarks.md). FP4 experts
