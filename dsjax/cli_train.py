@@ -7,6 +7,7 @@ import json
 import re
 import os
 import shlex
+import shutil
 import sys
 import time
 
@@ -100,8 +101,6 @@ def cmd_train(args) -> int:
         return 0
     dst = os.path.join(args.out, "export")
     if os.path.exists(dst):
-        import shutil
-
         shutil.rmtree(dst)
     windows = corpus.eval_windows(held_stream, settings.eval_windows, settings.seq_len)
     last_eval = history["eval"][-1] if history["eval"] else {}
@@ -131,8 +130,6 @@ def cmd_train(args) -> int:
     export.write_readme(dst, export.README.format(**readme_info),
                         {**readme_info, "held_out_loaded": loaded, "checkpoint_bytes": size, "jax": jax.__version__})
     for f in ("loss_curve.png", "history.json"):
-        import shutil
-
         shutil.copy(os.path.join(args.out, f), os.path.join(dst, f))
     print(json.dumps({"export": dst, "checkpoint_bytes": size, "held_out_fp32": fp32, "held_out_loaded": loaded}))
     return 0

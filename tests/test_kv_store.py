@@ -21,8 +21,9 @@ def test_store_budget_lru_and_leases():
     store = HostKvStore(budget_bytes=4 * 1024, block_bytes=1024)
     a = store.put("a", "final", [1, 2], _bytes(1500, 1))      # 2 blocks
     b = store.put("b", "final", [1, 3], _bytes(1024, 2))      # 1 block
+    assert a is not None and b is not None
     lease = store.acquire(a)
-    store.best("b", [1, 3, 4])                                 # b is now the most recently used
+    assert store.best("b", [1, 3, 4]) is b                     # b is now the most recently used
     c = store.put("c", "final", [5], _bytes(2048, 3))          # needs 2 blocks: b goes (a is leased)
     assert store.best("b", [1, 3, 4]) is None and c is not None
     assert store.read(a) == bytes(_bytes(1500, 1)[0]) and store.best("a", [1, 2, 9]) is a
