@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (set PY312=/path/to/python3.12)"; exit 1; }
 	$(PY312) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# through uv (pip's sources, pip as the fallback): the same versions, ~3x faster (tools/fast_install.py)
+	# through uv (pip's sources, pip as the fallback): the same versions, 2-4x faster (tools/fast_install.py)
 	$(VENV)/bin/python tools/fast_install.py $(VENV)/bin/python -e ".[test]"
 	# KV handoff data path A (optional): NIXL without its declared deps (they pull CUDA torch); module nixl_cu13
 	$(VENV)/bin/pip install -q --no-deps nixl-cu13==1.5.1 || echo "warning: nixl-cu13 not installed: KV handoff uses the gRPC path only"

@@ -54,7 +54,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV" || die "'$PY -m venv $VENV' failed"
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-# Through uv where the main venv has run tools/fast_install.py (make venv; ~5 s instead of ~37 s), else pip.
+# Through uv where the main venv has run tools/fast_install.py (make venv; ~9 s instead of ~37 s), else pip.
 if [[ -x "$REPO/.venv/bin/uv" && -z "${DSJAX_NO_UV:-}" ]]; then
   PIP=("$REPO/.venv/bin/python" "$REPO/tools/fast_install.py" "$VENV/bin/python")
 fi
