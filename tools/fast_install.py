@@ -36,11 +36,10 @@ def pip_config(python: str) -> dict[str, list[str]]:
 def pip_sources(found: dict[str, list[str]]) -> list[str]:
     """uv flags for the index (or none), extra indexes, find-links and constraints pip would use."""
     flags = []
-    for name, values in found.items():
-        for v in values if name in _OPTIONS else ():
-            if _is_missing_local(v):
-                continue
-            flags += [_OPTIONS[name], v]
+    for name, flag in _OPTIONS.items():
+        for v in found.get(name, ()):
+            if not _is_missing_local(v):
+                flags += [flag, v]
     if found.get("no-index", ["0"])[0].lower() in ("1", "true", "yes", "on"):
         flags.append("--no-index")                               # an offline machine: local sources only
     return flags
