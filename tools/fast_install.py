@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
         if subprocess.run(cmd, env=env).returncode == 0:
             return 0
         print(f"fast_install: uv failed ({shlex.join(cmd)}); retrying with pip", file=sys.stderr)
-    return subprocess.run([python, "-m", "pip", "install", "-q", *args]).returncode
+    return subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args]).returncode
 
 
 if __name__ == "__main__":

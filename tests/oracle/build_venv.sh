@@ -55,7 +55,8 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # Through uv where the main venv has run tools/fast_install.py (make venv; ~9 s instead of ~37 s), else pip.
-if [[ -x "$REPO/.venv/bin/uv" && -z "${DSJAX_NO_UV:-}" ]]; then
+# fast_install itself honours DSJAX_NO_UV (pip, with the same arguments as above).
+if [[ -x "$REPO/.venv/bin/uv" ]]; then
   PIP=("$REPO/.venv/bin/python" "$REPO/tools/fast_install.py" "$VENV/bin/python")
 fi
 LOG="$(mktemp)"
